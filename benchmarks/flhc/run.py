@@ -1,7 +1,7 @@
 """FedAvg vs FL+HC on MNIST (Briggs et al., 2020), same partitions, next to the paper's numbers.
 
     python benchmarks/flhc/run.py --scale reduced            # about 20 min on 2 CPU cores
-    python benchmarks/flhc/run.py --scale full               # the paper's setting: hours on CPU
+    python benchmarks/flhc/run.py --scale full               # the paper's setting: ≈ 65 min per setting on CPU
     python benchmarks/flhc/run.py --settings iid_cosine,recommended   # the extra settings
 
 Needs MNIST under $FEDCLUSTER_DATA_DIR. Each setting runs conf/flhc_mnist_<setting>.yaml
