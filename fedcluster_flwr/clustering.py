@@ -97,15 +97,17 @@ def _blocked_gram_distances(vectors: np.ndarray, distance: str, working_memory_m
     n = len(vectors)
     norms = _row_norms(vectors, working_memory_mb)
     rows = max(1, int(working_memory_mb * 2**20 // (12 * max(n, 1))))
+    squared_norms = norms**2
+    inverse_norms = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     square = np.empty((n, n))
     for i in range(0, n, rows):
         dots = (vectors[i : i + rows] @ vectors.T).astype(np.float64)
+        block = slice(i, i + rows)
         if distance == "l2":
-            squared = norms[i : i + rows, None] ** 2 + norms[None, :] ** 2 - 2.0 * dots
-            square[i : i + rows] = np.sqrt(np.maximum(squared, 0.0))
+            squared = squared_norms[block, None] + squared_norms[None, :] - 2.0 * dots
+            square[block] = np.sqrt(np.maximum(squared, 0.0))
         else:
-            safe = np.where(norms == 0, np.inf, norms)
-            square[i : i + rows] = 1.0 - dots / safe[i : i + rows, None] / safe[None, :]
+            square[block] = 1.0 - dots * inverse_norms[block, None] * inverse_norms[None, :]
     return square
 
 

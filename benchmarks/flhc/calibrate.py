@@ -39,17 +39,29 @@ def exact_threshold_interval(tree: np.ndarray, true: np.ndarray) -> tuple[float,
     return (float(low), float(high)) if cluster_scores(true, cut)["ari"] == 1.0 else None
 
 
-def cuts_report(updates: np.ndarray, true: np.ndarray, cuts: list[str]) -> list[str]:
+def cuts_report(condensed: dict[str, np.ndarray], true: np.ndarray, cuts: list[str]) -> list[str]:
     """Lines for ``distance/linkage=threshold`` cuts: clusters found, purity, ARI."""
     lines = ["", "| cut | clusters | purity | ARI | largest cluster |", "|---|---|---|---|---|"]
     for cut in cuts:
-        method, threshold = cut.split("=")
-        distance, linkage = method.split("/")
-        tree = hierarchy.linkage(pairwise_distances(updates, distance), method=linkage)
-        labels = hierarchy.fcluster(tree, t=float(threshold), criterion="distance")
+        distance, linkage, threshold = parse_cut(cut)
+        tree = hierarchy.linkage(condensed[distance], method=linkage)
+        labels = hierarchy.fcluster(tree, t=threshold, criterion="distance")
         scores = cluster_scores(true, labels)
         lines.append(f"| {cut} | {labels.max()} | {scores['purity']:.2f} | {scores['ari']:.2f} | {np.bincount(labels).max()} |")
     return lines
+
+
+def parse_cut(cut: str) -> tuple[str, str, float]:
+    """``l1/complete=1800`` -> ("l1", "complete", 1800.0), or exit with the allowed forms."""
+    try:
+        method, threshold = cut.split("=")
+        distance, linkage = method.split("/")
+        value = float(threshold)
+    except ValueError:
+        raise SystemExit(f"error: --at {cut!r}: expected DISTANCE/LINKAGE=THRESHOLD, e.g. l1/complete=1800") from None
+    if distance not in DISTANCES or linkage not in LINKAGES or (linkage == "ward" and distance != "l2"):
+        raise SystemExit(f"error: --at {cut!r}: distance one of {DISTANCES}, linkage one of {LINKAGES} (ward only with l2)")
+    return distance, linkage, value
 
 
 def calibrate(run_dir: Path, cuts: list[str]) -> str:
@@ -65,8 +77,11 @@ def calibrate(run_dir: Path, cuts: list[str]) -> str:
         "| distance | linkage | max within | min across | thresholds giving the true clusters |",
         "|---|---|---|---|---|",
     ]
+    for cut in cuts:
+        parse_cut(cut)  # fail on a malformed cut before the long distance computations
+    condensed_by_distance = {}
     for distance in DISTANCES:
-        condensed = pairwise_distances(updates, distance)
+        condensed = condensed_by_distance[distance] = pairwise_distances(updates, distance)
         square = squareform(condensed)
         within = square[same & off_diagonal].max() if (same & off_diagonal).any() else float("nan")
         across = square[~same].min() if (~same).any() else float("nan")
@@ -76,7 +91,7 @@ def calibrate(run_dir: Path, cuts: list[str]) -> str:
             interval = exact_threshold_interval(hierarchy.linkage(condensed, method=linkage), true)
             text = "none" if interval is None else f"[{interval[0]:.4g}, {interval[1]:.4g})"
             lines.append(f"| {distance} | {linkage} | {within:.4g} | {across:.4g} | {text} |")
-    return "\n".join(lines + (cuts_report(updates, true, cuts) if cuts else []))
+    return "\n".join(lines + (cuts_report(condensed_by_distance, true, cuts) if cuts else []))
 
 
 def main() -> None:

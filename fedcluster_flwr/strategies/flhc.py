@@ -217,8 +217,8 @@ class FLHC(ClusteredStrategy):
         if self.clustered_at is not None:
             linkage_file = self.setup.recorder.run_dir / "linkage.npy"
             linkage = np.load(linkage_file) if linkage_file.is_file() else np.zeros((0, 4))
-            labels = self.assignment[self.clustered_pids]  # clustered clients never change cluster
-            self.hac = HacResult(labels.copy(), linkage, np.zeros(0))
+            labels = self.assignment[self.clustered_pids]  # a copy; clustered clients never change cluster
+            self.hac = HacResult(labels, linkage, np.zeros(0))
 
     def write_artifacts(self) -> None:
         """``linkage.npy`` (scipy linkage matrix over ``clustered_clients``) and ``dendrogram.png``."""
