@@ -46,7 +46,7 @@ def run_experiment(
 
     ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round.
     """
-    from flwr.client import ClientApp
+    from flwr.clientapp import ClientApp
     from flwr.simulation import run_simulation
     from tqdm import tqdm
 

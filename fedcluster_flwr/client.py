@@ -1,20 +1,23 @@
-"""ClusterClient: the NumPyClient every strategy talks to, dispatching on ``config["task"]``.
+"""ClusterClient: the NumPyClient every strategy talks to, and its task handlers.
 
-Tasks (sent by the strategy in ``FitIns.config``):
+The client unpacks an instruction with the codec of :mod:`fedcluster_flwr.protocol`, looks
+up the handler registered for its task and packs the handler's reply in the order the task
+declares. Handlers here:
 
 * ``train``: load the one model received, train it locally, return it.
-* ``train_select``: receive ``num_models`` models packed one after another, compute
-  each one's mean loss on the local *training* data, train the one with the lowest
-  loss and return it with ``selected`` = its index (IFCA's cluster estimate; FL+HC's
-  placement of a client that missed the clustering round).
+* ``train_select``: compute each received model's mean loss on the local *training* data,
+  train the one with the lowest loss and return it with ``selected`` = its index (IFCA's
+  cluster estimate; FL+HC's placement of a client that missed the clustering round).
+* ``evaluate``: test the received model on the client's own test split.
 
-``evaluate`` tests the received model on the client's own test split.
+A new task's handler is a function ``(client, TaskInput) -> TaskOutput`` registered with
+``@handles(protocol.SOME_TASK)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +25,8 @@ from flwr.client import NumPyClient
 from flwr.common import NDArrays, Scalar
 from torch import nn
 
+from . import protocol
+from .protocol import MODEL, MODELS, Task
 from .training import TrainSettings, evaluate, get_weights, set_weights, train
 
 
@@ -37,13 +42,46 @@ class ClientData:
     y_test: torch.Tensor
 
 
+@dataclass(frozen=True)
+class TaskInput:
+    """An unpacked instruction: the round, the named blocks and the config scalars."""
+
+    server_round: int
+    blocks: Mapping[str, list[NDArrays]]
+    config: Mapping[str, Scalar]
+
+
+@dataclass(frozen=True)
+class TaskOutput:
+    """A handler's reply: named arrays, the examples it used, metrics (and a loss for evaluate)."""
+
+    blocks: Mapping[str, NDArrays]
+    num_examples: int
+    metrics: Mapping[str, Scalar] = field(default_factory=dict)
+    loss: float = float("nan")
+
+
+Handler = Callable[["ClusterClient", TaskInput], TaskOutput]
+HANDLERS: dict[str, Handler] = {}
+
+
+def handles(task: Task) -> Callable[[Handler], Handler]:
+    """Register the decorated function as the client's handler of ``task``."""
+
+    def register(handler: Handler) -> Handler:
+        HANDLERS[task.name] = handler
+        return handler
+
+    return register
+
+
 def round_seed(seed: int, server_round: int, pid: int) -> int:
     """Independent, reproducible seed for one client's training in one round."""
     return int(np.random.SeedSequence([seed, server_round, pid]).generate_state(1)[0])
 
 
 class ClusterClient(NumPyClient):
-    """Local training and evaluation on one partition."""
+    """Local training and evaluation on one partition; the work itself is in the task handlers."""
 
     def __init__(
         self,
@@ -67,48 +105,74 @@ class ClusterClient(NumPyClient):
 
     def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
         return {
-            "partition_id": self.pid,
-            "num_partitions": self.num_partitions,
-            "num_train": len(self.data.y_train),
-            "num_test": len(self.data.y_test),
+            protocol.PARTITION_ID: self.pid,
+            protocol.NUM_PARTITIONS: self.num_partitions,
+            protocol.NUM_TRAIN: len(self.data.y_train),
+            protocol.NUM_TEST: len(self.data.y_test),
         }
 
     def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        server_round = int(config["round"])
+        server_round = int(config[protocol.ROUND_KEY])
         if server_round in self.fail_rounds:
             raise SimulatedClientFailure(f"client {self.pid} fails in round {server_round} (simulation.fail_fit)")
-        models = self._unpack(parameters, int(config.get("num_models", 1)))
-        metrics: dict[str, Scalar] = {"partition_id": self.pid}
-        task = config["task"]
-        if task == "train":
-            (model,) = models
-        elif task == "train_select":
-            losses = [evaluate(m, self.data.x_train, self.data.y_train, self.device)[0] for m in models]
-            selected = int(np.argmin(np.nan_to_num(losses, nan=np.inf)))  # a NaN loss is never best
-            model = models[selected]
-            metrics["selected"] = selected
-            metrics.update({f"loss_{k}": loss for k, loss in enumerate(losses)})
-        else:
-            raise ValueError(f"unknown task {task!r}")
-        generator = torch.Generator().manual_seed(round_seed(self.seed, server_round, self.pid))
-        metrics["train_loss"] = train(
-            model, self.data.x_train, self.data.y_train, self.settings, generator, self.device
-        )
-        return get_weights(model), len(self.data.y_train), metrics
+        task, output = self._run(parameters, config)
+        return task.pack_reply(output.blocks), output.num_examples, {protocol.PARTITION_ID: self.pid, **output.metrics}
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
-        (model,) = self._unpack(parameters, 1)
-        loss, accuracy = evaluate(model, self.data.x_test, self.data.y_test, self.device)
-        return loss, len(self.data.y_test), {"accuracy": accuracy, "partition_id": self.pid}
+        _, output = self._run(parameters, config)
+        return output.loss, output.num_examples, {protocol.PARTITION_ID: self.pid, **output.metrics}
 
-    def _unpack(self, parameters: NDArrays, num_models: int) -> list[nn.Module]:
-        """Split ``num_models`` models packed one after another into loaded modules."""
-        models = [self.model_factory() for _ in range(num_models)]
-        per_model = len(models[0].state_dict())
-        if len(parameters) != per_model * num_models:
-            raise ValueError(
-                f"received {len(parameters)} arrays for {num_models} model(s) of {per_model} arrays"
-            )
-        for k, model in enumerate(models):
-            set_weights(model, parameters[k * per_model : (k + 1) * per_model])
-        return models
+    def _run(self, parameters: NDArrays, config: Mapping[str, Scalar]) -> tuple[Task, TaskOutput]:
+        task = protocol.task_named(config.get(protocol.TASK_KEY))
+        handler = HANDLERS.get(task.name)
+        if handler is None:
+            raise protocol.ProtocolError(f"this client has no handler for task {task.name!r}")
+        blocks = protocol.unpack(parameters, config[protocol.LAYOUT_KEY])
+        task.check_instruction(blocks, config)
+        return task, handler(self, TaskInput(int(config.get(protocol.ROUND_KEY, 0)), blocks, config))
+
+    # ---- what handlers share ----------------------------------------------------------------
+
+    def load_model(self, arrays: NDArrays) -> nn.Module:
+        model = self.model_factory()
+        set_weights(model, arrays)
+        return model
+
+    def train_model(self, model: nn.Module, server_round: int) -> float:
+        """Local training of ``model`` with this round's seed; returns the mean batch loss."""
+        generator = torch.Generator().manual_seed(round_seed(self.seed, server_round, self.pid))
+        return train(model, self.data.x_train, self.data.y_train, self.settings, generator, self.device)
+
+    def training_loss(self, model: nn.Module) -> float:
+        return evaluate(model, self.data.x_train, self.data.y_train, self.device)[0]
+
+    @property
+    def num_train(self) -> int:
+        return len(self.data.y_train)
+
+
+@handles(protocol.TRAIN)
+def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    (arrays,) = inputs.blocks[MODELS]
+    model = client.load_model(arrays)
+    loss = client.train_model(model, inputs.server_round)
+    return TaskOutput({MODEL: get_weights(model)}, client.num_train, {protocol.TRAIN_LOSS: loss})
+
+
+@handles(protocol.TRAIN_SELECT)
+def train_model_with_lowest_loss(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    models = [client.load_model(arrays) for arrays in inputs.blocks[MODELS]]
+    losses = [client.training_loss(model) for model in models]
+    selected = int(np.argmin(np.nan_to_num(losses, nan=np.inf)))  # a NaN loss is never best
+    metrics: dict[str, Scalar] = {protocol.SELECTED: selected}
+    metrics.update({protocol.indexed(protocol.LOSS, k): loss for k, loss in enumerate(losses)})
+    model = models[selected]
+    metrics[protocol.TRAIN_LOSS] = client.train_model(model, inputs.server_round)
+    return TaskOutput({MODEL: get_weights(model)}, client.num_train, metrics)
+
+
+@handles(protocol.EVALUATE)
+def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    (arrays,) = inputs.blocks[MODELS]
+    loss, accuracy = evaluate(client.load_model(arrays), client.data.x_test, client.data.y_test, client.device)
+    return TaskOutput({}, len(client.data.y_test), {protocol.ACCURACY: accuracy}, loss=loss)

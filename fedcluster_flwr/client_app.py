@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from flwr.client import Client, ClientApp
-from flwr.common import Context
+from flwr.app import Context
+from flwr.client import Client
+from flwr.clientapp import ClientApp
 
 from .config import ExperimentConfig
 from .experiment import config_from_run_config, make_client

@@ -94,10 +94,14 @@ def model_factory(config: ExperimentConfig) -> Callable[[], torch.nn.Module]:
     return functools.partial(build_model, config.model.name, config.input_shape, config.num_classes)
 
 
-def initial_weights(config: ExperimentConfig) -> list[np.ndarray]:
+def initial_model(config: ExperimentConfig) -> torch.nn.Module:
     """The seeded initial model every strategy starts from."""
     torch.manual_seed(config.seed)
-    return get_weights(model_factory(config)())
+    return model_factory(config)()
+
+
+def initial_weights(config: ExperimentConfig) -> list[np.ndarray]:
+    return get_weights(initial_model(config))
 
 
 def run_title(config: ExperimentConfig) -> str:
@@ -116,8 +120,10 @@ def server_components(
     recorder = RunRecorder(run_dir, on_round)
     if not resume:
         recorder.start(config_to_dict(config))
+    model = initial_model(config)
     setup = StrategySetup(
-        initial_weights=initial_weights(config),
+        initial_weights=get_weights(model),
+        parameter_names=list(model.state_dict()),
         num_clients=config.partition.num_clients,
         true_clusters=partition.true_clusters,
         train_sizes=[len(idx) for idx in partition.train_indices],
@@ -134,7 +140,6 @@ def server_components(
     if resume:
         models, state = load_checkpoint(run_dir)
         strategy.restore(models, state)
-        recorder.resume(strategy.round_offset)
     remaining = config.rounds - strategy.round_offset
     server_config = ServerConfig(num_rounds=remaining, round_timeout=config.simulation.round_timeout_s)
     return ServerAppComponents(strategy=strategy, config=server_config)

@@ -12,8 +12,10 @@ from collections.abc import Callable
 from logging import ERROR, INFO
 from pathlib import Path
 
-from flwr.common import Context, log
-from flwr.server import ServerApp, ServerAppComponents
+from flwr.app import Context
+from flwr.common import log
+from flwr.server import ServerAppComponents
+from flwr.serverapp import ServerApp
 
 from .config import ExperimentConfig
 from .data import DataError

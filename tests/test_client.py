@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_CONFIG
+from fedcluster_flwr import protocol
 from fedcluster_flwr.client import SimulatedClientFailure
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
@@ -13,6 +14,17 @@ from fedcluster_flwr.experiment import experiment_data, initial_weights, make_cl
 
 def config(*overrides: str):
     return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
+
+
+def fit(client, task, rnd, *models, layout=None):
+    """Send ``models`` as the ``models`` block of a ``task`` instruction in round ``rnd``."""
+    arrays, packed_layout = protocol.pack({protocol.MODELS: list(models)})
+    return client.fit(arrays, protocol.instruction_config(task, rnd, layout or packed_layout, {}))
+
+
+def evaluate(client, weights):
+    arrays, layout = protocol.pack({protocol.MODELS: [weights]})
+    return client.evaluate(arrays, protocol.instruction_config(protocol.EVALUATE, 1, layout, {}))
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +44,12 @@ def test_properties_identify_the_partition(cfg):
 def test_fit_trains_and_lowers_the_training_loss(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
     start = initial_weights(cfg)
-    weights, num_examples, metrics = client.fit(start, {"task": "train", "round": 1, "num_models": 1})
+    weights, num_examples, metrics = fit(client, protocol.TRAIN, 1, start)
     assert [w.shape for w in weights] == [w.shape for w in start]
     assert num_examples == client.get_properties({})["num_train"]
     assert metrics["partition_id"] == 0
-    loss_before, _, _ = client.evaluate(start, {})
-    loss_after, _, result = client.evaluate(weights, {})
+    loss_before, _, _ = evaluate(client, start)
+    loss_after, _, result = evaluate(client, weights)
     assert loss_after < loss_before
     assert 0.0 <= result["accuracy"] <= 1.0
 
@@ -45,9 +57,9 @@ def test_fit_trains_and_lowers_the_training_loss(cfg):
 def test_fit_is_reproducible_for_a_round_and_differs_across_rounds(cfg):
     client = make_client(cfg, 1, cfg.partition.num_clients)
     start = initial_weights(cfg)
-    first, _, _ = client.fit(start, {"task": "train", "round": 5, "num_models": 1})
-    again, _, _ = client.fit(start, {"task": "train", "round": 5, "num_models": 1})
-    other, _, _ = client.fit(start, {"task": "train", "round": 6, "num_models": 1})
+    first, _, _ = fit(client, protocol.TRAIN, 5, start)
+    again, _, _ = fit(client, protocol.TRAIN, 5, start)
+    other, _, _ = fit(client, protocol.TRAIN, 6, start)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
 
@@ -57,9 +69,8 @@ def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg):
     untrained = initial_weights(cfg)
     trained = untrained
     for rnd in range(1, 4):
-        trained, _, _ = client.fit(trained, {"task": "train", "round": rnd, "num_models": 1})
-    packed = [*untrained, *trained, *untrained]
-    weights, _, metrics = client.fit(packed, {"task": "train_select", "round": 9, "num_models": 3})
+        trained, _, _ = fit(client, protocol.TRAIN, rnd, trained)
+    weights, _, metrics = fit(client, protocol.TRAIN_SELECT, 9, untrained, trained, untrained)
     assert metrics["selected"] == 1
     assert metrics["loss_1"] < metrics["loss_0"] == pytest.approx(metrics["loss_2"])
     assert [w.shape for w in weights] == [w.shape for w in untrained]
@@ -67,21 +78,23 @@ def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg):
 
 def test_wrongly_packed_parameters_are_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
-    with pytest.raises(ValueError, match="arrays for 2 model"):
-        client.fit(initial_weights(cfg), {"task": "train_select", "round": 1, "num_models": 2})
+    n = len(initial_weights(cfg))
+    with pytest.raises(protocol.ProtocolError, match=f"layout 'models=2x{n}' needs more than the {n} arrays"):
+        fit(client, protocol.TRAIN_SELECT, 1, initial_weights(cfg), layout=f"models=2x{n}")
 
 
 def test_unknown_task_is_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
-    with pytest.raises(ValueError, match="unknown task"):
-        client.fit(initial_weights(cfg), {"task": "dance", "round": 1, "num_models": 1})
+    arrays, layout = protocol.pack({protocol.MODELS: [initial_weights(cfg)]})
+    with pytest.raises(protocol.ProtocolError, match="unknown task 'dance'"):
+        client.fit(arrays, {protocol.TASK_KEY: "dance", protocol.ROUND_KEY: 1, protocol.LAYOUT_KEY: layout})
 
 
 def test_fault_injection_raises_only_in_its_rounds(cfg):
     client = make_client(cfg, 2, cfg.partition.num_clients)
     with pytest.raises(SimulatedClientFailure):
-        client.fit(initial_weights(cfg), {"task": "train", "round": 4, "num_models": 1})
-    client.fit(initial_weights(cfg), {"task": "train", "round": 3, "num_models": 1})
+        fit(client, protocol.TRAIN, 4, initial_weights(cfg))
+    fit(client, protocol.TRAIN, 3, initial_weights(cfg))
 
 
 def test_label_swapped_clients_see_their_group_labels(cfg):

@@ -23,7 +23,10 @@ from flwr.server.client_proxy import ClientProxy
 
 from fedcluster_flwr.results import RunRecorder, load_checkpoint
 from fedcluster_flwr.strategies import FederationError, StrategySetup
-from fedcluster_flwr.strategies.base import UNASSIGNED, weighted_mean
+from fedcluster_flwr import protocol
+from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY, TRAIN_SELECT
+from fedcluster_flwr.strategies.aggregation import weighted_mean
+from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
 from fedcluster_flwr.strategies.flhc import FLHC, FLHCOptions
 
@@ -84,6 +87,15 @@ def flat(arrays) -> np.ndarray:
     return np.concatenate([a.ravel() for a in arrays])
 
 
+def select_metrics(chosen: int, losses) -> dict:
+    """What a train_select reply reports: the chosen index and every model's loss."""
+    return {protocol.SELECTED: chosen} | {protocol.indexed(protocol.LOSS, k): float(v) for k, v in enumerate(losses)}
+
+
+def received_models(ins) -> list[list[np.ndarray]]:
+    return protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[MODELS]
+
+
 GroupTrain = Callable[[int, list[list[np.ndarray]], dict], tuple[list[np.ndarray], int, dict]]
 
 
@@ -98,10 +110,10 @@ def group_trainer(groups: np.ndarray, seed: int = 0) -> GroupTrain:
     def train(pid, models, config):
         metrics = {"partition_id": pid, "train_loss": 1.0}
         chosen = 0
-        if config["task"] == "train_select":
+        if config[TASK_KEY] == TRAIN_SELECT.name:
             losses = [np.linalg.norm(flat(m) - targets[groups[pid]]) for m in models]
             chosen = int(np.argmin(losses))
-            metrics["selected"] = chosen
+            metrics |= select_metrics(chosen, losses)
         w = flat(models[chosen])
         new = w + 0.5 * (targets[groups[pid]] - w) + 0.01 * rng.normal(size=DIM)
         return unflatten(new), 10 + pid, metrics
@@ -115,10 +127,8 @@ def run_round(strategy, manager, rnd, train: GroupTrain, fail: set[int] = frozen
     instructions = strategy.configure_fit(rnd, None, manager)
     received, results, failures = {}, [], []
     for proxy, ins in instructions:
-        arrays = parameters_to_ndarrays(ins.parameters)
-        k = int(ins.config["num_models"])
-        models = [arrays[i * len(SHAPES) : (i + 1) * len(SHAPES)] for i in range(k)]
-        received[proxy.pid] = (ins.config["task"], models)
+        models = received_models(ins)
+        received[proxy.pid] = (ins.config[TASK_KEY], models)
         if proxy.pid in fail:
             failures.append(RuntimeError("boom"))
             continue
@@ -129,7 +139,7 @@ def run_round(strategy, manager, rnd, train: GroupTrain, fail: set[int] = frozen
     strategy.aggregate_fit(rnd, results, failures)
     eval_results = []
     for proxy, ins in strategy.configure_evaluate(rnd, None, manager):
-        w = parameters_to_ndarrays(ins.parameters)
+        (w,) = received_models(ins)
         eval_results.append((proxy, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {"accuracy": accuracy(proxy.pid, w)})))
     strategy.aggregate_evaluate(rnd, eval_results, [])
     return received
@@ -177,8 +187,8 @@ def test_each_client_gets_its_own_fit_instruction(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
     instructions = strategy.configure_fit(1, None, client_manager(4))
     configs = [ins.config for _, ins in instructions]
-    configs[0]["task"] = "changed"
-    assert all(c["task"] == "train" for c in configs[1:])
+    configs[0][TASK_KEY] = "changed"
+    assert all(c[TASK_KEY] == "train" for c in configs[1:])
 
 
 def test_failed_and_corrupt_updates_never_reach_the_model(tmp_path):
@@ -213,7 +223,7 @@ def test_local_clients_never_share_models(tmp_path):
     run_round(strategy, client_manager(3), 1,
               lambda pid, m, c: ([np.full(s, pid, np.float32) for s in SHAPES], 5, {}))
     for pid in range(3):
-        np.testing.assert_allclose(strategy.models[pid][0], pid)
+        np.testing.assert_allclose(strategy.client_models[pid][0], pid)
 
 
 def test_oracle_averages_only_inside_true_clusters(tmp_path):
@@ -354,7 +364,7 @@ def test_train_select_without_a_valid_choice_is_rejected(tmp_path):
 
     def no_choice(pid, models, config):
         weights, n, metrics = train(pid, models, config)
-        metrics.pop("selected", None)
+        metrics.pop(protocol.SELECTED, None)
         return weights, n, metrics
 
     run_round(strategy, manager, 4, no_choice)
@@ -432,7 +442,7 @@ def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
         instructions = strategy.configure_fit(3, None, manager)
         results = []
         for proxy, ins in instructions:
-            weights, n, metrics = train(proxy.pid, [parameters_to_ndarrays(ins.parameters)], ins.config)
+            weights, n, metrics = train(proxy.pid, received_models(ins), ins.config)
             results.append((proxy, fit_res(weights, n, metrics)))
         np.random.default_rng(order_seed).shuffle(results)
         strategy.aggregate_fit(3, results, [])
@@ -462,7 +472,7 @@ def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply
     results = [(instructions[0][0], fit_res(good)), (instructions[1][0], reply(good))]
     strategy.aggregate_fit(1, results, [])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)  # only the good update counted
-    assert strategy._round.rejected_updates == 1
+    assert strategy.log.round.rejected_updates == 1
 
 
 def test_bad_metrics_never_become_results(tmp_path):
@@ -557,9 +567,10 @@ def seeded_group_trainer(groups: np.ndarray) -> GroupTrain:
         rng = np.random.default_rng([pid, int(config["round"])])
         metrics = {"partition_id": pid, "train_loss": 1.0}
         chosen = 0
-        if config["task"] == "train_select":
-            chosen = int(np.argmin([np.linalg.norm(flat(m) - targets[groups[pid]]) for m in models]))
-            metrics["selected"] = chosen
+        if config[TASK_KEY] == TRAIN_SELECT.name:
+            losses = [np.linalg.norm(flat(m) - targets[groups[pid]]) for m in models]
+            chosen = int(np.argmin(losses))
+            metrics |= select_metrics(chosen, losses)
         w = flat(models[chosen])
         return unflatten(w + 0.5 * (targets[groups[pid]] - w) + 0.01 * rng.normal(size=DIM)), 10 + pid, metrics
 
@@ -586,7 +597,6 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     setup = make_setup(tmp_path / "other", len(GROUPS), true=GROUPS, rounds=6, checkpoint_every=3, join_round={7: 5})
     resumed = FLHC(first.options, replace(setup, recorder=recorder))
     resumed.restore(models, state)
-    recorder.resume(resumed.round_offset)
     for flower_round in (1, 2, 3):  # Flower counts the remaining rounds from 1 again
         run_round(resumed, client_manager(len(GROUPS)), flower_round, train)
 

@@ -1,6 +1,12 @@
-"""Strategy registry: ``strategy.name`` in the config selects one of these."""
+"""Strategy registry: ``strategy.name`` in the config selects one of these.
 
-from .base import ClusteredStrategy, FederationError, StrategySetup
+``core`` holds what every strategy shares (instructions, reply validation, the absorb /
+after_round hooks), ``directory`` which Flower client is which partition, ``round_log``
+the per-round metrics, summary and checkpoints; each other module is one algorithm family.
+"""
+
+from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
+from .directory import FederationError
 from .fedavg import FedAvg, LocalOnly, OracleClusters
 from .flhc import FLHC
 
@@ -8,4 +14,4 @@ STRATEGIES: dict[str, type[ClusteredStrategy]] = {
     cls.name: cls for cls in (FedAvg, LocalOnly, OracleClusters, FLHC)
 }
 
-__all__ = ["STRATEGIES", "ClusteredStrategy", "FederationError", "StrategySetup"]
+__all__ = ["STRATEGIES", "ClusteredStrategy", "FederationError", "Instruction", "Reply", "StrategySetup"]

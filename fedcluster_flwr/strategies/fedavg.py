@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schema import require
-from .base import ClusteredStrategy, FitPlan, StrategySetup
+from ..protocol import MODELS, TRAIN
+from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
 
 
 @dataclass(frozen=True)
@@ -40,22 +41,29 @@ class FedAvg(ClusteredStrategy):
     name = "fedavg"
     Options = FractionOptions
 
-    def plan_fit(self, server_round: int, online: list[int]) -> list[FitPlan]:
-        return self.train_plans(self.sample(online, self.options.client_fraction))
+    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
+        return self.train_cluster_models(self.sample(online, self.options.client_fraction))
 
 
 class LocalOnly(ClusteredStrategy):
-    """Each client is its own cluster: every client trains only its own model, every round."""
+    """Every client trains only its own (personal) model, every round; for the per-cluster
+    metrics each client is a cluster of one."""
 
     name = "local"
     Options = LocalOptions
 
     def __init__(self, options: LocalOptions, setup: StrategySetup) -> None:
         super().__init__(options, setup)
-        self.start_clusters(range(setup.num_clients))
+        self.assignment[:] = range(setup.num_clients)
+        self.models = {}
+        self.client_models = {p: [a.copy() for a in setup.initial_weights] for p in range(setup.num_clients)}
 
-    def plan_fit(self, server_round: int, online: list[int]) -> list[FitPlan]:
-        return self.train_plans(online)
+    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
+        return [Instruction(p, TRAIN, {MODELS: [self.client_models[p]]}) for p in online]
+
+    def absorb(self, server_round: int, replies: list[Reply]) -> None:
+        for reply in replies:
+            self.client_models[reply.pid] = reply.model()
 
 
 class OracleClusters(ClusteredStrategy):
@@ -68,5 +76,5 @@ class OracleClusters(ClusteredStrategy):
         super().__init__(options, setup)
         self.start_clusters(setup.true_clusters)
 
-    def plan_fit(self, server_round: int, online: list[int]) -> list[FitPlan]:
-        return self.per_cluster_plans(online, self.options.client_fraction)
+    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
+        return self.per_cluster_training(online, self.options.client_fraction)

@@ -31,7 +31,7 @@ from flwr.common import NDArrays, log
 
 from ..clustering import HacResult, UpdateMatrix, flatten, hierarchical_clustering
 from ..schema import require
-from .base import TASK_TRAIN_SELECT, UNASSIGNED, ClientUpdate, ClusteredStrategy, FitPlan, StrategySetup
+from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 
 
 @dataclass(frozen=True)
@@ -120,19 +120,16 @@ class FLHC(ClusteredStrategy):
             return "clustered"
         return "clustering" if server_round >= self.clustering_round else "fedavg"
 
-    def plan_fit(self, server_round: int, online: list[int]) -> list[FitPlan]:
+    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
         cf = self.options.client_fraction
         if not self.clustered and server_round < self.clustering_round:
-            return self.train_plans(self.sample(online, cf))
+            return self.train_cluster_models(self.sample(online, cf))
         if not self.clustered:
-            return self.train_plans(online)  # the clustering round: every client
+            return self.train_cluster_models(online)  # the clustering round: every client
         newcomers = [p for p in online if self.assignment[p] == UNASSIGNED]
-        all_clusters = tuple(sorted(self.models))
-        return self.per_cluster_plans(online, cf) + [
-            FitPlan(p, TASK_TRAIN_SELECT, all_clusters) for p in newcomers
-        ]
+        return self.per_cluster_training(online, cf) + [self.select_cluster(p) for p in newcomers]
 
-    def assign(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def assign(self, server_round: int, updates: list[Reply]) -> None:
         if self.clustered:
             super().assign(server_round, updates)
             return
@@ -153,14 +150,14 @@ class FLHC(ClusteredStrategy):
             return self.joint_model
         return super().evaluation_model(pid)
 
-    def _cluster(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def _cluster(self, server_round: int, updates: list[Reply]) -> None:
         """Hierarchical clustering of the updates dw = w_local - w_joint."""
         opts = self.options
         joint = self.models[0]
         joint_vector = flatten(joint)
         matrix = UpdateMatrix(len(updates), joint_vector.size, opts.projection_dim, self.setup.seed)
         for row, update in enumerate(updates):  # one update deserialized at a time
-            matrix.set_row(row, flatten(update.arrays()) - joint_vector)
+            matrix.set_row(row, flatten(update.model()) - joint_vector)
         if opts.save_updates:
             np.save(self.setup.recorder.run_dir / "updates.npy", matrix.rows)
         hac = hierarchical_clustering(
