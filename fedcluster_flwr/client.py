@@ -62,14 +62,14 @@ class TaskOutput:
 
 
 Handler = Callable[["ClusterClient", TaskInput], TaskOutput]
-HANDLERS: dict[str, Handler] = {}
+HANDLERS: dict[str, tuple[Task, Handler]] = {}  # task name -> (task, its handler)
 
 
 def handles(task: Task) -> Callable[[Handler], Handler]:
     """Register the decorated function as the client's handler of ``task``."""
 
     def register(handler: Handler) -> Handler:
-        HANDLERS[task.name] = handler
+        HANDLERS[task.name] = (task, handler)
         return handler
 
     return register
@@ -123,10 +123,11 @@ class ClusterClient(NumPyClient):
         return output.loss, output.num_examples, {protocol.PARTITION_ID: self.pid, **output.metrics}
 
     def _run(self, parameters: NDArrays, config: Mapping[str, Scalar]) -> tuple[Task, TaskOutput]:
-        task = protocol.task_named(config.get(protocol.TASK_KEY))
-        handler = HANDLERS.get(task.name)
-        if handler is None:
-            raise protocol.ProtocolError(f"this client has no handler for task {task.name!r}")
+        name = config.get(protocol.TASK_KEY)
+        if name not in HANDLERS:
+            known = "known to the protocol but not handled yet" if name in protocol.TASKS else "unknown"
+            raise protocol.ProtocolError(f"task {name!r} is {known}; this client handles {', '.join(HANDLERS)}")
+        task, handler = HANDLERS[name]
         blocks = protocol.unpack(parameters, config[protocol.LAYOUT_KEY])
         task.check_instruction(blocks, config)
         return task, handler(self, TaskInput(int(config.get(protocol.ROUND_KEY, 0)), blocks, config))

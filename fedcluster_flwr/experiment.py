@@ -20,7 +20,7 @@ from flwr.server import ServerAppComponents, ServerConfig
 from .client import ClientData, ClusterClient
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
 from .data import DatasetPool, Partition, load_pool, make_partition
-from .models import build_model
+from .models import build_model, parameter_names
 from .results import RoundRow, RunRecorder, load_checkpoint
 from .schema import ConfigError
 from .strategies import STRATEGIES, StrategySetup
@@ -123,7 +123,7 @@ def server_components(
     model = initial_model(config)
     setup = StrategySetup(
         initial_weights=get_weights(model),
-        parameter_names=list(model.state_dict()),
+        parameter_names=parameter_names(model),
         num_clients=config.partition.num_clients,
         true_clusters=partition.true_clusters,
         train_sizes=[len(idx) for idx in partition.train_indices],

@@ -7,10 +7,12 @@ so convolutional layers are ``conv*``, hidden dense layers ``fc*`` and the class
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from .schema import ConfigError
 
 InputShape = tuple[int, int, int]  # (channels, height, width)
 
@@ -98,3 +100,15 @@ def build_model(name: str, input_shape: InputShape, num_classes: int) -> nn.Modu
 def parameter_names(model: nn.Module) -> list[str]:
     """Names of the arrays exchanged with clients, in the order of :func:`get_weights`."""
     return list(model.state_dict().keys())
+
+
+def parameters_with_prefixes(names: Sequence[str], prefixes: Sequence[str], key: str) -> list[int]:
+    """Indices of the parameters named by ``prefixes`` (``conv`` names ``conv.0.weight``, ...).
+
+    A prefix matches whole dotted components, so ``fc`` never names ``fc_extra``. A prefix
+    that names no parameter is a config error on ``key`` listing the model's parameters.
+    """
+    for prefix in prefixes:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            raise ConfigError(key, f"{prefix!r} names no parameter of the model; its parameters are: {', '.join(names)}")
+    return [i for i, n in enumerate(names) if any(n == p or n.startswith(p + ".") for p in prefixes)]

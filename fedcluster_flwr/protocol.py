@@ -363,12 +363,6 @@ EVALUATE = Task(
 TASKS: dict[str, Task] = {task.name: task for task in (TRAIN, TRAIN_SELECT, GRAM_EIGEN, RELEVANCE_ROW, GOSSIP_TRAIN, EVALUATE)}
 
 
-def task_named(name: Any) -> Task:
-    if name not in TASKS:
-        raise ProtocolError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
-    return TASKS[name]
-
-
 def instruction_config(task: Task, server_round: int, layout: str, extra: Mapping[str, Scalar]) -> dict[str, Scalar]:
     """The config of one instruction: task, round, layout and the task's own scalars."""
     return {**extra, TASK_KEY: task.name, ROUND_KEY: server_round, LAYOUT_KEY: layout}

@@ -11,6 +11,7 @@ and quick studies use it; end-to-end tests use Ray.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from fedcluster_flwr.config import ExperimentConfig
 from fedcluster_flwr.experiment import make_client, server_components
+from fedcluster_flwr.strategies import StrategySetup
 
 
 class InProcessProxy(ClientProxy):
@@ -58,10 +60,16 @@ def _call_all(instructions, method: str) -> tuple[list, list]:
     return results, failures
 
 
-def run_in_process(config: ExperimentConfig, run_dir: Path) -> Any:
-    """Run ``config`` to the end; return the strategy (its models, assignment, recorder)."""
+def run_in_process(
+    config: ExperimentConfig, run_dir: Path, make_strategy: Callable[[StrategySetup], Any] | None = None
+) -> Any:
+    """Run ``config`` to the end; return the strategy (its models, assignment, recorder).
+
+    ``make_strategy`` builds another strategy from the experiment's setup (a strategy that
+    is not in the registry, e.g. a test's own).
+    """
     components = server_components(config, run_dir)
-    strategy = components.strategy
+    strategy = components.strategy if make_strategy is None else make_strategy(components.strategy.setup)
     manager = SimpleClientManager()
     for pid in range(config.partition.num_clients):
         manager.register(InProcessProxy(config, pid))

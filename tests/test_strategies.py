@@ -398,6 +398,9 @@ def test_results_contract_files(tmp_path):
     for pid in range(12):
         per_cluster.setdefault(str(strategy.assignment[pid]), []).append(0.4 + 0.1 * (pid % 3))
     assert rows[-1]["per_cluster_accuracy"] == pytest.approx({k: np.mean(v) for k, v in per_cluster.items()})
+    per_true = {str(g): np.mean([0.4 + 0.1 * (p % 3) for p in range(12) if GROUPS[p] == g]) for g in range(3)}
+    assert rows[0]["per_true_cluster_accuracy"] == pytest.approx(per_true)  # by true id, whatever the assignment
+    assert rows[-1]["per_true_cluster_accuracy"] == pytest.approx(per_true)
     assert rows[-1]["nmi"] == pytest.approx(1.0) and rows[0]["nmi"] == pytest.approx(0.0)
     assert rows[-1]["pct_clients_over_target"] == pytest.approx(100 * 8 / 12)  # acc 0.5 and 0.6 reach 0.5
     assert rows[2]["bytes_up"] == rows[2]["bytes_down"] > 0  # 12 models each way in the clustering round
@@ -405,6 +408,7 @@ def test_results_contract_files(tmp_path):
     assert summary["finished"] and summary["completed_rounds"] == 5
     assert summary["true_clusters"] == GROUPS.tolist() and len(summary["assignment"]) == 12
     assert summary["rounds_to_target"] == 1
+    assert summary["per_true_cluster_accuracy"] == pytest.approx(per_true)
     for name in ("accuracy.png", "clients_over_target.png", "checkpoint/models.npz", "checkpoint/state.json"):
         assert (tmp_path / name).is_file(), name
     with np.load(tmp_path / "checkpoint" / "models.npz") as saved:

@@ -54,6 +54,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from .. import protocol
+from ..models import parameters_with_prefixes
 from ..protocol import EVALUATE, MODEL, MODELS, TRAIN, TRAIN_SELECT, ModelSpec, Sent, Task
 from ..results import RunRecorder
 from .aggregation import weighted_mean
@@ -268,6 +269,11 @@ class ClusteredStrategy(Strategy):
         loss, trains it and joins that cluster (by the default :meth:`assign`)."""
         chosen = tuple(sorted(self.models) if clusters is None else clusters)
         return Instruction(pid, TRAIN_SELECT, {MODELS: [self.models[c] for c in chosen]}, clusters=chosen)
+
+    def parameter_indices(self, prefixes: Sequence[str], key: str) -> list[int]:
+        """Indices of the model's arrays named by ``prefixes`` (e.g. ``conv``); an unknown
+        prefix is a config error on ``key`` that lists the model's parameter names."""
+        return parameters_with_prefixes(self.model_spec.names, prefixes, key)
 
     def average(self, replies: Sequence[Reply]) -> NDArrays:
         """FedAvg of the models of ``replies``, weighted by their number of examples."""
