@@ -22,7 +22,7 @@ import yaml
 from .data.datasets import DATASETS
 from .data.partitions import PARTITIONERS
 from .models import MODELS
-from .schema import ConfigError, describe, from_mapping, join_key, require, to_plain, unknown_key_message
+from .schema import ConfigError, config_keys, describe, from_mapping, join_key, require, to_plain, unknown_key_message
 from .strategies import STRATEGIES
 
 # Static facts the config needs before any data is loaded.
@@ -239,8 +239,8 @@ def _split_named_section(
         f"{section}.name",
         f"unknown {section} {describe(name)}; available: {', '.join(registry)}",
     )
-    own = {f.name for f in dataclasses.fields(options_of(registry[name]))}
-    others = {f.name for entry in registry.values() for f in dataclasses.fields(options_of(entry))}
+    own = set(config_keys(options_of(registry[name])))
+    others = {key for entry in registry.values() for key in config_keys(options_of(entry))}
     common_values, option_values = {}, {}
     for key, value in raw.items():
         if key in common:

@@ -49,6 +49,16 @@ def unknown_key_message(name: str, allowed: list[str], context: str = "") -> str
     return f"unknown key{where}{suggestion}; allowed keys: {', '.join(sorted(allowed))}"
 
 
+def config_key(field: dataclasses.Field) -> str:
+    """The YAML key of an options field: its name, or ``metadata["key"]`` where the paper's
+    name is a Python keyword (``lambda_ = field(..., metadata={"key": "lambda"})``)."""
+    return field.metadata.get("key", field.name)
+
+
+def config_keys(cls: type) -> list[str]:
+    return [config_key(f) for f in dataclasses.fields(cls) if f.init]
+
+
 def from_mapping(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "") -> T:
     """Build dataclass ``cls`` from ``data``, checking keys and value types.
 
@@ -60,7 +70,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "")
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping of keys, got {describe(data)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
             raise ConfigError(join_key(prefix, str(key)), unknown_key_message(str(key), list(fields)))
@@ -68,7 +78,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "")
     for name, field in fields.items():
         key = join_key(prefix, name)
         if name in data:
-            values[name] = coerce(data[name], hints[name], key)
+            values[field.name] = coerce(data[name], hints[field.name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(key, "is required")
     instance = cls(**values)
@@ -81,7 +91,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "")
 def to_plain(value: Any) -> Any:
     """Dataclasses and tuples to dicts and lists, for YAML/JSON output."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {config_key(f): to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     if isinstance(value, Mapping):
