@@ -5,9 +5,12 @@ up the handler registered for its task and packs the handler's reply in the orde
 declares. Handlers here:
 
 * ``train``: load the one model received, train it locally, return it.
-* ``train_select``: compute each received model's mean loss on the local *training* data,
-  train the one with the lowest loss and return it with ``selected`` = its index (IFCA's
-  cluster estimate; FL+HC's placement of a client that missed the clustering round).
+* ``train_select``: score each received model on the local *training* data, train the best
+  and return it with ``selected`` = its index and every model's loss (and similarity). The
+  score is the loss (lowest wins: IFCA's cluster estimate; FL+HC's placement of a client
+  that missed the clustering round) or, when update directions come along, Lin et al.'s
+  λ·S − (1−λ)·L (highest wins); see :func:`score_models`.
+* ``select``: the same choice without training (a client asked once for its identity).
 * ``evaluate``: test the received model on the client's own test split.
 
 A new task's handler is a function ``(client, TaskInput) -> TaskOutput`` registered with
@@ -27,7 +30,7 @@ from torch import nn
 
 from . import protocol
 from .protocol import MODEL, MODELS, Task
-from .training import TrainSettings, evaluate, get_weights, set_weights, train
+from .training import TrainSettings, evaluate, get_weights, selection_score_inputs, set_weights, train
 
 
 class SimulatedClientFailure(RuntimeError):
@@ -73,6 +76,9 @@ def handles(task: Task) -> Callable[[Handler], Handler]:
         return handler
 
     return register
+
+
+SELECTION_STREAM = 1  # keeps the selection mini-batch's randomness apart from training's
 
 
 def round_seed(seed: int, server_round: int, pid: int) -> int:
@@ -147,6 +153,15 @@ class ClusterClient(NumPyClient):
     def training_loss(self, model: nn.Module) -> float:
         return evaluate(model, self.data.x_train, self.data.y_train, self.device)[0]
 
+    def selection_sample(self, server_round: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All training samples (``size`` 0 or at least their number), or a seeded mini-batch of ``size``."""
+        x, y = self.data.x_train, self.data.y_train
+        if size <= 0 or size >= len(y):
+            return x, y
+        seed = int(np.random.SeedSequence([self.seed, server_round, self.pid, SELECTION_STREAM]).generate_state(1)[0])
+        chosen = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:size]
+        return x[chosen], y[chosen]
+
     @property
     def num_train(self) -> int:
         return len(self.data.y_train)
@@ -160,16 +175,59 @@ def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput
     return TaskOutput({MODEL: get_weights(model)}, client.num_train, {protocol.TRAIN_LOSS: loss})
 
 
-@handles(protocol.TRAIN_SELECT)
-def train_model_with_lowest_loss(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
-    models = [client.load_model(arrays) for arrays in inputs.blocks[MODELS]]
-    losses = [client.training_loss(model) for model in models]
-    selected = int(np.argmin(np.nan_to_num(losses, nan=np.inf)))  # a NaN loss is never best
-    metrics: dict[str, Scalar] = {protocol.SELECTED: selected}
+def score_models(client: ClusterClient, inputs: TaskInput, models: list[nn.Module]) -> dict[str, Scalar]:
+    """Which received model fits this client's training data: ``selected`` and the metrics behind it.
+
+    * Without ``directions`` (IFCA, Ghosh et al.): the model with the lowest loss L_k.
+    * With ``directions`` Δw_k (Lin et al., eqs. 1-4): the highest λ·S_k − (1−λ)·L_k, where
+      S_k = cos(−∇L_k, Δw_k) (see :func:`~fedcluster_flwr.training.selection_score_inputs`
+      for the sign) and λ = config ``lambda``; λ = 0 is IFCA's rule.
+
+    L_k is taken on all training samples, or on a seeded mini-batch of ``selection_batch``, as
+    their ``mean`` or ``sum`` (``loss_reduction``). Lin et al.'s L is a sum over the mini-batch,
+    so it grows with the batch while S stays in [−1, 1]: with ``sum`` the paper's λ values
+    weigh S against losses of tens, with ``mean`` against losses of about one (S counts for
+    far more). A NaN score is never the best.
+    """
+    config = inputs.config
+    batch = int(config.get(protocol.SELECTION_BATCH_KEY, 0))
+    reduction = str(config.get(protocol.LOSS_REDUCTION_KEY, "mean"))
+    directions = inputs.blocks.get(protocol.DIRECTIONS)
+    if directions is None and batch == 0 and reduction == "mean":
+        losses = [client.training_loss(model) for model in models]
+        similarities: list[float] = []
+    else:
+        x, y = client.selection_sample(inputs.server_round, batch)
+        pairs = [
+            selection_score_inputs(model, x, y, reduction, client.device, None if directions is None else directions[k])
+            for k, model in enumerate(models)
+        ]
+        losses = [loss for loss, _ in pairs]
+        similarities = [similarity for _, similarity in pairs] if directions is not None else []
+    if similarities:
+        weight = float(config.get(protocol.LAMBDA_KEY, 0.0))
+        scores = weight * np.asarray(similarities) - (1 - weight) * np.asarray(losses)
+    else:
+        scores = -np.asarray(losses)
+    metrics: dict[str, Scalar] = {protocol.SELECTED: int(np.argmax(np.nan_to_num(scores, nan=-np.inf)))}
     metrics.update({protocol.indexed(protocol.LOSS, k): loss for k, loss in enumerate(losses)})
-    model = models[selected]
+    metrics.update({protocol.indexed(protocol.SIMILARITY, k): s for k, s in enumerate(similarities)})
+    return metrics
+
+
+@handles(protocol.TRAIN_SELECT)
+def train_best_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    models = [client.load_model(arrays) for arrays in inputs.blocks[MODELS]]
+    metrics = score_models(client, inputs, models)
+    model = models[int(metrics[protocol.SELECTED])]
     metrics[protocol.TRAIN_LOSS] = client.train_model(model, inputs.server_round)
     return TaskOutput({MODEL: get_weights(model)}, client.num_train, metrics)
+
+
+@handles(protocol.SELECT)
+def select_best_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    models = [client.load_model(arrays) for arrays in inputs.blocks[MODELS]]
+    return TaskOutput({}, client.num_train, score_models(client, inputs, models))
 
 
 @handles(protocol.EVALUATE)

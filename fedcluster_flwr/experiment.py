@@ -94,10 +94,14 @@ def model_factory(config: ExperimentConfig) -> Callable[[], torch.nn.Module]:
     return functools.partial(build_model, config.model.name, config.input_shape, config.num_classes)
 
 
-def initial_model(config: ExperimentConfig) -> torch.nn.Module:
-    """The seeded initial model every strategy starts from."""
-    torch.manual_seed(config.seed)
+def initial_model(config: ExperimentConfig, seed: int | None = None) -> torch.nn.Module:
+    """The model initialised with ``seed`` (default: the run's seed, the model every strategy starts from)."""
+    torch.manual_seed(config.seed if seed is None else seed)
     return model_factory(config)()
+
+
+def seeded_weights(config: ExperimentConfig, seed: int) -> list[np.ndarray]:
+    return get_weights(initial_model(config, seed))
 
 
 def initial_weights(config: ExperimentConfig) -> list[np.ndarray]:
@@ -124,6 +128,7 @@ def server_components(
     setup = StrategySetup(
         initial_weights=get_weights(model),
         parameter_names=parameter_names(model),
+        init_weights=functools.partial(seeded_weights, config),
         num_clients=config.partition.num_clients,
         true_clusters=partition.true_clusters,
         train_sizes=[len(idx) for idx in partition.train_indices],

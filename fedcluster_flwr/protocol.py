@@ -15,6 +15,8 @@ task               sends                                reply arrays            
 ``train``          ``models`` (1)                       ``model``                           ``train_loss``
 ``train_select``   ``models`` (K), ``directions``       ``model`` (the chosen one, trained)  ``selected`` < K, ``loss_k``
                    (K, optional)                                                             (+ ``similarity_k``)
+``select``         ``models`` (K), ``directions``       –                                   as ``train_select``
+                   (K, optional)
 ``gram_eigen``     –                                    ``eigenvectors`` (k × d),            –
                                                         ``eigenvalues`` (k)
 ``relevance``      ``eigenvectors`` (N items of         ``relevance`` (N)                   –
@@ -47,6 +49,9 @@ ROUND_KEY = "round"
 LAYOUT_KEY = "layout"
 NUM_EIGENVECTORS_KEY = "num_eigenvectors"
 FEATURE_DIM_KEY = "feature_dim"
+SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the losses are taken on (0: all)
+LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
+LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"
@@ -325,17 +330,26 @@ def _relevance_shape(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]
 
 
 TRAIN = Task("train", sends=(MODELS,), reply=(MODEL,), reply_shapes=_one_model)
+_SELECTION_CHECKS = (
+    index_into(SELECTED, MODELS),
+    one_per_item(LOSS, MODELS),  # NaN allowed: a diverged model is reported, never chosen
+    when_sent(DIRECTIONS, one_per_item(SIMILARITY, MODELS)),
+)
 TRAIN_SELECT = Task(
     "train_select",
     sends=(MODELS,),
     optional=(DIRECTIONS,),
     reply=(MODEL,),
     reply_shapes=_one_model,
-    metric_checks=(
-        index_into(SELECTED, MODELS),
-        one_per_item(LOSS, MODELS),  # NaN allowed: a diverged model is reported, never chosen
-        when_sent(DIRECTIONS, one_per_item(SIMILARITY, MODELS)),
-    ),
+    metric_checks=_SELECTION_CHECKS,
+)
+SELECT = Task(  # train_select without the training: "which of these models is mine?"
+    "select",
+    sends=(MODELS,),
+    optional=(DIRECTIONS,),
+    reply=(),
+    reply_shapes=lambda sent, model: {},
+    metric_checks=_SELECTION_CHECKS,
 )
 GRAM_EIGEN = Task(
     "gram_eigen",
@@ -360,7 +374,9 @@ EVALUATE = Task(
     metric_checks=(in_unit_interval(ACCURACY),),
 )
 
-TASKS: dict[str, Task] = {task.name: task for task in (TRAIN, TRAIN_SELECT, GRAM_EIGEN, RELEVANCE_ROW, GOSSIP_TRAIN, EVALUATE)}
+TASKS: dict[str, Task] = {
+    task.name: task for task in (TRAIN, TRAIN_SELECT, SELECT, GRAM_EIGEN, RELEVANCE_ROW, GOSSIP_TRAIN, EVALUATE)
+}
 
 
 def instruction_config(task: Task, server_round: int, layout: str, extra: Mapping[str, Scalar]) -> dict[str, Scalar]:

@@ -91,3 +91,35 @@ def evaluate(
     model.cpu()
     count = max(len(y), 1)
     return loss_sum / count, correct / count
+
+
+def selection_score_inputs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    reduction: str,
+    device: torch.device,
+    direction: NDArrays | None = None,
+) -> tuple[float, float]:
+    """Loss of ``model`` (eval mode) on ``(x, y)`` with ``reduction`` ("mean" or "sum"), and,
+    given a ``direction`` (arrays in ``state_dict`` order), S = cos(-grad L, direction) over
+    the model's parameters (buffers carry no gradient and are left out).
+
+    ``-grad L``, not ``grad L``: a cluster's update w^t - w^{t-1} is a descent step, so the
+    data that produced it has a *negative* gradient pointing the same way. S is 0, not NaN,
+    when the direction or the gradient is zero (a cluster not updated yet).
+    """
+    model.to(device).eval()
+    with torch.set_grad_enabled(direction is not None):
+        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device), reduction=reduction)
+    similarity = float("nan")
+    if direction is not None:
+        parameters = dict(model.named_parameters())
+        names = list(model.state_dict())
+        gradients = torch.autograd.grad(loss, [parameters[n] for n in names if n in parameters])
+        descent = -torch.cat([g.detach().flatten().double().cpu() for g in gradients])
+        step = torch.cat([torch.as_tensor(a).flatten().double() for n, a in zip(names, direction) if n in parameters])
+        norms = descent.norm() * step.norm()
+        similarity = float(descent @ step / norms) if norms > 0 else 0.0
+    model.cpu()
+    return float(loss.detach()), similarity

@@ -86,7 +86,7 @@ def test_wrongly_packed_parameters_are_refused(cfg):
 def test_unknown_task_is_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
     arrays, layout = protocol.pack({protocol.MODELS: [initial_weights(cfg)]})
-    with pytest.raises(protocol.ProtocolError, match="task 'dance' is unknown; this client handles train, train_select, evaluate"):
+    with pytest.raises(protocol.ProtocolError, match="task 'dance' is unknown; this client handles train, train_select, select, evaluate"):
         client.fit(arrays, {protocol.TASK_KEY: "dance", protocol.ROUND_KEY: 1, protocol.LAYOUT_KEY: layout})
 
 

@@ -55,6 +55,14 @@ def test_resolved_config_round_trips():
     assert again == config and notes == []
 
 
+def test_a_paper_key_that_is_a_python_keyword_round_trips():
+    config, notes = load("strategy.name=gradloss", "strategy.lambda=0.5")
+    assert config.strategy.options.lambda_ == 0.5 and "strategy.threshold ignored" in " ".join(notes)
+    plain = config_to_dict(config)
+    assert plain["strategy"]["lambda"] == 0.5 and "lambda_" not in plain["strategy"]
+    assert build_config(plain)[0] == config
+
+
 def test_yaml_reads_exponent_floats(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("client: {lr: 1e-3}\n")
@@ -91,6 +99,12 @@ BAD_CONFIGS = [
     (["simulation.fail_fit={99: [3]}"], "simulation.fail_fit.99", "partition ids run from 0 to 19"),
     (["client.epochs=1.5"], "client.epochs", "expected an integer"),
     (["client=3"], "client", "expected a mapping"),
+    (["strategy.name=gradloss", "strategy.lambda=2"], "strategy.lambda", "must be in [0, 1], got 2.0"),
+    (["strategy.name=gradloss", "strategy.lamda=0.5"], "strategy.lamda", "did you mean 'lambda'"),
+    (["strategy.name=ifca", "strategy.num_clusters=21"], "strategy.num_clusters", "cannot exceed partition.num_clients"),
+    (["strategy.name=ifca", "strategy.loss_reduction=max"], "strategy.loss_reduction", "expected one of mean, sum"),
+    (["strategy.name=ifca", "strategy.warmup_rounds=30"], "strategy.warmup_rounds", "must leave rounds"),
+    (["strategy.name=ifca", "strategy.selection_batch=0"], "strategy.selection_batch", "must be >= 1"),
 ]
 
 

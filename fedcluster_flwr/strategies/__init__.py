@@ -9,9 +9,10 @@ from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
 from .directory import FederationError
 from .fedavg import FedAvg, LocalOnly, OracleClusters
 from .flhc import FLHC
+from .ifca import IFCA, GradLoss
 
 STRATEGIES: dict[str, type[ClusteredStrategy]] = {
-    cls.name: cls for cls in (FedAvg, LocalOnly, OracleClusters, FLHC)
+    cls.name: cls for cls in (FedAvg, LocalOnly, OracleClusters, FLHC, IFCA, GradLoss)
 }
 
 __all__ = ["STRATEGIES", "ClusteredStrategy", "FederationError", "Instruction", "Reply", "StrategySetup"]

@@ -31,7 +31,7 @@ A new algorithm is one subclass: set ``name`` and ``Options``, implement
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any, ClassVar
@@ -84,6 +84,7 @@ class StrategySetup:
     wait_for_clients_s: float = 60.0
     timeout_s: float | None = None
     parameter_names: Sequence[str] | None = None  # the model's state_dict keys; None: array0, array1, ...
+    init_weights: Callable[[int], NDArrays] | None = None  # a freshly initialised model for a seed
 
     @property
     def model_spec(self) -> ModelSpec:

@@ -1,0 +1,234 @@
+"""Multi-model clustered FL: IFCA (Ghosh et al., 2020) and the joint gradient-and-loss
+clustering of Lin et al. (2023, "gradloss").
+
+The algorithm, with K cluster models w_1..w_K:
+
+1. (Optional) rounds 1..``warmup_rounds``: FedAvg of one model; then every cluster model
+   starts from it plus seeded Gaussian noise of scale ``warmup_noise`` (the K models must
+   differ, or every client picks the first). Without a warm-up the K models are initialised
+   with K different seeds.
+2. Every round a fraction ``client_fraction`` of *all* online clients is sampled. Each receives
+   all K models (and, for gradloss, each cluster's last update Δw_k = w_k^t − w_k^{t−1}; a
+   cluster not updated yet sends zeros, which score S = 0), and picks its identity on its
+   *training* data: IFCA the model with the lowest loss L_k; gradloss the highest
+   λ·S_k − (1−λ)·L_k with S_k = cos(−∇L_k, Δw_k) (Lin et al., eqs. 1–4; λ = 0 is IFCA).
+   It trains that model and returns it (client task ``train_select``).
+3. The server averages the returned models per identity (sample-weighted FedAvg); a cluster
+   nobody chose keeps its model. With ``reseed_empty`` (Lin et al., §II-C) a cluster that no
+   client holds is given one random sampled client in the next round, which trains it.
+4. Evaluation: every client uses the model of its latest identity. A client that has never
+   been sampled is asked once, in the first round after the warm-up, which model fits its
+   training data (task ``select``: the same rule, no training), so that it too is evaluated
+   on its own cluster's model from the start.
+
+Cost: each sampled client downloads K models (2K for gradloss); ``bytes_down`` counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from flwr.common import NDArrays, Scalar
+
+from .. import protocol
+from ..protocol import DIRECTIONS, MODEL, MODELS, SELECT, TRAIN, TRAIN_SELECT, Task
+from ..schema import require
+from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
+
+DIRECTION_MODEL_PREFIX = "direction"  # checkpoint name of cluster k's last update: direction<k>
+
+
+@dataclass(frozen=True)
+class IFCAOptions:
+    """IFCA's options (the gradloss options add ``lambda``)."""
+
+    num_clusters: int = 4
+    client_fraction: float = 0.1
+    selection_batch: int | None = None  # samples the K losses are taken on; null: all training samples
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    reseed_empty: bool = False
+    warmup_rounds: int = 0
+    warmup_noise: float = 0.01
+
+    def validate(self, prefix: str) -> None:
+        require(self.num_clusters >= 1, f"{prefix}.num_clusters", f"must be >= 1, got {self.num_clusters}")
+        require(0.0 < self.client_fraction <= 1.0, f"{prefix}.client_fraction",
+                f"must be in (0, 1], got {self.client_fraction}")
+        if self.selection_batch is not None:
+            require(self.selection_batch >= 1, f"{prefix}.selection_batch",
+                    f"must be >= 1 (or null for all training samples), got {self.selection_batch}")
+        require(self.warmup_rounds >= 0, f"{prefix}.warmup_rounds", f"must be >= 0, got {self.warmup_rounds}")
+        require(self.warmup_noise > 0, f"{prefix}.warmup_noise", f"must be > 0, got {self.warmup_noise}")
+
+    def check_experiment(self, config: Any) -> None:
+        require(self.num_clusters <= config.partition.num_clients, "strategy.num_clusters",
+                f"cannot exceed partition.num_clients ({config.partition.num_clients})")
+        require(self.warmup_rounds < config.rounds, "strategy.warmup_rounds",
+                f"must leave rounds for clustering: {self.warmup_rounds} of rounds ({config.rounds})")
+
+    def selection_config(self) -> dict[str, Scalar]:
+        return {
+            protocol.SELECTION_BATCH_KEY: self.selection_batch or 0,
+            protocol.LOSS_REDUCTION_KEY: self.loss_reduction,
+        }
+
+
+@dataclass(frozen=True)
+class GradLossOptions(IFCAOptions):
+    """Lin et al.: the paper's loss is a *sum* over a mini-batch, so the defaults take one."""
+
+    selection_batch: int | None = 50
+    loss_reduction: Literal["mean", "sum"] = "sum"
+    lambda_: float = field(default=0.2, metadata={"key": "lambda"})
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        require(0.0 <= self.lambda_ <= 1.0, f"{prefix}.lambda", f"must be in [0, 1], got {self.lambda_}")
+
+    def selection_config(self) -> dict[str, Scalar]:
+        return super().selection_config() | {protocol.LAMBDA_KEY: self.lambda_}
+
+
+class IFCA(ClusteredStrategy):
+    """K cluster models; sampled clients pick theirs by training loss, train it, FedAvg per identity."""
+
+    name = "ifca"
+    Options = IFCAOptions
+    sends_directions = False
+
+    def __init__(self, options: IFCAOptions, setup: StrategySetup) -> None:
+        super().__init__(options, setup)
+        self.assignment[:] = UNASSIGNED
+        if options.warmup_rounds == 0:
+            self.models = {k: self._seeded_model(k) for k in range(options.num_clusters)}
+        self.directions: dict[int, NDArrays] = {}
+        self.no_direction = [np.zeros_like(a) for a in setup.initial_weights]  # before a cluster's first update
+        self.asked: set[int] = set()  # clients that have reported an identity at least once
+        self.to_reseed: list[int] = []
+        self.reseeded: dict[int, int] = {}  # cluster -> client, this round
+        self.identity_changes = 0
+
+    # ---- the round -----------------------------------------------------------------------------
+
+    def phase(self, server_round: int) -> str:
+        return "warmup" if server_round <= self.options.warmup_rounds else self.name
+
+    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
+        sampled = self.sample(online, self.options.client_fraction)
+        if server_round <= self.options.warmup_rounds:
+            return [Instruction(p, TRAIN, {MODELS: [self.models[0]]}, clusters=(0,)) for p in sampled]
+        givers = self.rng.permutation(sampled)[: len(self.to_reseed)].tolist()
+        self.reseeded = {cluster: int(pid) for cluster, pid in zip(self.to_reseed, givers)}
+        forced = {pid: cluster for cluster, pid in self.reseeded.items()}
+        instructions = [
+            Instruction(p, TRAIN, {MODELS: [self.models[forced[p]]]}, clusters=(forced[p],)) if p in forced
+            else self.identify(p, TRAIN_SELECT)
+            for p in sampled
+        ]
+        never_asked = [p for p in online if p not in self.asked and p not in sampled]
+        return instructions + [self.identify(p, SELECT) for p in never_asked]
+
+    def identify(self, pid: int, task: Task) -> Instruction:
+        """``pid`` scores every cluster model (``task`` ``train_select`` also trains the best)."""
+        clusters = tuple(sorted(self.models))
+        blocks: dict[str, list[NDArrays]] = {MODELS: [self.models[k] for k in clusters]}
+        if self.sends_directions:
+            blocks[DIRECTIONS] = [self.directions.get(k, self.no_direction) for k in clusters]
+        return Instruction(pid, task, blocks, self.options.selection_config(), clusters=clusters)
+
+    def absorb(self, server_round: int, replies: list[Reply]) -> None:
+        if server_round <= self.options.warmup_rounds:
+            if replies:
+                self.models[0] = self.average(replies)
+            return
+        previous = self.assignment.copy()
+        for reply in replies:
+            if reply.task is TRAIN:  # a client given to an empty cluster
+                self.assignment[reply.pid] = reply.instruction.clusters[0]
+            else:
+                self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[protocol.SELECTED])]
+            self.asked.add(reply.pid)
+        self.identity_changes = sum(
+            1 for r in replies if previous[r.pid] != UNASSIGNED and previous[r.pid] != self.assignment[r.pid]
+        )
+        before = dict(self.models)
+        self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
+        if self.sends_directions:
+            for k, model in self.models.items():
+                if model is not before[k]:
+                    self.directions[k] = [new - old for new, old in zip(model, before[k])]
+
+    def after_round(self, server_round: int) -> None:
+        opts = self.options
+        if server_round == opts.warmup_rounds:
+            self._spawn_from_warmup()
+        if server_round > opts.warmup_rounds:
+            held = set(self.assignment[self.assignment != UNASSIGNED].tolist())
+            empty = [k for k in sorted(self.models) if k not in held]
+            self.to_reseed = empty if opts.reseed_empty and held else []
+
+    def evaluation_model(self, pid: int) -> NDArrays:
+        """The model of the client's latest identity; a client without one (warm-up, or it never
+        answered) is evaluated on cluster model 0 and counted under ``unassigned``."""
+        cluster = int(self.assignment[pid])
+        return self.models[cluster if cluster != UNASSIGNED else 0]
+
+    # ---- records ---------------------------------------------------------------------------------
+
+    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+        assigned = self.assignment[self.assignment != UNASSIGNED]
+        sizes = np.bincount(assigned, minlength=len(self.models)).tolist() if len(assigned) else [0] * len(self.models)
+        return {
+            "cluster_sizes": sizes,
+            "identity_changes": self.identity_changes,
+            "identified_clients": int(len(assigned)),
+            "reseeded": {str(k): p for k, p in self.reseeded.items()},
+        }
+
+    def extra_summary(self) -> dict[str, Any]:
+        return {"cluster_sizes": self.extra_round_metrics(0)["cluster_sizes"]}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"asked": sorted(self.asked), "to_reseed": self.to_reseed, "identity_changes": self.identity_changes}
+
+    def extra_models(self) -> dict[str, NDArrays]:
+        return {f"{DIRECTION_MODEL_PREFIX}{k}": d for k, d in self.directions.items()}
+
+    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
+        self.asked = set(state["asked"])
+        self.to_reseed = list(state["to_reseed"])
+        self.identity_changes = int(state["identity_changes"])
+        self.directions = {
+            int(k): model for name, model in models.items()
+            if name.startswith(DIRECTION_MODEL_PREFIX) and (k := name.removeprefix(DIRECTION_MODEL_PREFIX)).isdigit()
+        }
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _seeded_model(self, cluster: int) -> NDArrays:
+        """Cluster 0 starts from the run's initial model, cluster k from seed (run seed, k)."""
+        if cluster == 0:
+            return [a.copy() for a in self.setup.initial_weights]
+        if self.setup.init_weights is None:
+            raise ValueError(f"{self.name} needs StrategySetup.init_weights to initialise {self.options.num_clusters} models")
+        seed = int(np.random.SeedSequence([self.setup.seed, cluster]).generate_state(1)[0])
+        return self.setup.init_weights(seed)
+
+    def _spawn_from_warmup(self) -> None:
+        warm = self.models[0]
+        noise = np.random.default_rng([self.setup.seed, self.options.warmup_rounds])
+        self.models = {
+            k: [(a + noise.normal(scale=self.options.warmup_noise, size=a.shape)).astype(a.dtype) for a in warm]
+            for k in range(self.options.num_clusters)
+        }
+
+
+class GradLoss(IFCA):
+    """Lin et al.: identity by λ·cos(−∇L_k, Δw_k) − (1−λ)·L_k; sends each cluster's last update."""
+
+    name = "gradloss"
+    Options = GradLossOptions
+    sends_directions = True

@@ -1,0 +1,257 @@
+"""IFCA and gradloss: the client's identity rules on real digits data, and the strategies driven
+round by round with synthetic clients (who receives what, FedAvg per identity, empty clusters)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+from conftest import DEFAULT_CONFIG
+from fedcluster_flwr import protocol
+from fedcluster_flwr.client import TaskInput, score_models
+from fedcluster_flwr.clustering import purity
+from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.experiment import initial_weights, make_client
+from fedcluster_flwr.protocol import DIRECTIONS, LAYOUT_KEY, MODELS, SELECT, TASK_KEY, TRAIN, TRAIN_SELECT
+from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.strategies.core import UNASSIGNED
+from fedcluster_flwr.strategies.ifca import IFCA, GradLoss, GradLossOptions, IFCAOptions
+from fedcluster_flwr.training import get_weights, selection_score_inputs
+from test_strategies import DIM, SHAPES, client_manager, flat, make_setup, select_metrics, unflatten
+
+# ---- the client's rules, on real data ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits_client():
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
+    return config, make_client(config, 0, config.partition.num_clients)
+
+
+def trained(client, weights, rounds=3):
+    model = client.load_model(weights)
+    for rnd in range(1, rounds + 1):
+        client.train_model(model, rnd)
+    return get_weights(model)
+
+
+def scores(client, models, directions=None, **config):
+    blocks = {MODELS: models} | ({DIRECTIONS: directions} if directions is not None else {})
+    return score_models(client, TaskInput(7, blocks, config), [client.load_model(m) for m in models])
+
+
+def test_ifca_picks_the_model_with_the_lowest_training_loss(digits_client):
+    config, client = digits_client
+    untrained = initial_weights(config)
+    good = trained(client, untrained)
+    for batch, reduction in ((0, "mean"), (16, "sum"), (16, "mean")):
+        metrics = scores(client, [untrained, good, untrained],
+                         **{protocol.SELECTION_BATCH_KEY: batch, protocol.LOSS_REDUCTION_KEY: reduction})
+        assert metrics[protocol.SELECTED] == 1, (batch, reduction)
+        assert metrics["loss_1"] < metrics["loss_0"] == pytest.approx(metrics["loss_2"])
+
+
+def test_sum_reduction_scales_the_loss_by_the_batch(digits_client):
+    config, client = digits_client
+    model = initial_weights(config)
+    mean = scores(client, [model], **{protocol.SELECTION_BATCH_KEY: 16, protocol.LOSS_REDUCTION_KEY: "mean"})
+    total = scores(client, [model], **{protocol.SELECTION_BATCH_KEY: 16, protocol.LOSS_REDUCTION_KEY: "sum"})
+    assert total["loss_0"] == pytest.approx(16 * mean["loss_0"], rel=1e-5)
+
+
+def test_the_data_that_made_an_update_scores_a_positive_similarity(digits_client):
+    """S_k = cos(-grad L_k, dw_k): a client whose own training produced dw_k continues in that
+    direction, so S_k > 0; the reversed step scores the opposite; a zero step scores 0, not NaN."""
+    config, client = digits_client
+    before = initial_weights(config)
+    after = trained(client, before, rounds=1)
+    step = [a - b for a, b in zip(after, before)]
+    model = client.load_model(after)
+    x, y = client.selection_sample(3, 32)
+    _, s_own = selection_score_inputs(model, x, y, "sum", client.device, step)
+    _, s_reversed = selection_score_inputs(model, x, y, "sum", client.device, [-a for a in step])
+    _, s_zero = selection_score_inputs(model, x, y, "sum", client.device, [np.zeros_like(a) for a in step])
+    assert s_own > 0.1 and s_reversed == pytest.approx(-s_own) and s_zero == 0.0
+
+
+def test_gradloss_rule_trades_similarity_against_loss_and_lambda_zero_is_ifca(digits_client):
+    config, client = digits_client
+    start = initial_weights(config)
+    better = trained(client, start, rounds=2)  # lower loss, but a step pointing away from this client
+    step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
+    away = [-a for a in step_here]
+    settings = {protocol.SELECTION_BATCH_KEY: 32, protocol.LOSS_REDUCTION_KEY: "mean"}
+    models, directions = [start, better], [step_here, away]
+    ifca = scores(client, models, **settings)
+    for weight in (0.0, 0.2):
+        gradloss = scores(client, models, directions, **settings, **{protocol.LAMBDA_KEY: weight})
+        assert gradloss[protocol.SELECTED] == ifca[protocol.SELECTED] == 1  # the loss decides
+        assert gradloss["loss_0"] == pytest.approx(ifca["loss_0"]) and gradloss["loss_1"] == pytest.approx(ifca["loss_1"])
+    by_direction = scores(client, models, directions, **settings, **{protocol.LAMBDA_KEY: 1.0})
+    assert by_direction["similarity_0"] > 0 > by_direction["similarity_1"]
+    assert by_direction[protocol.SELECTED] == 0  # lambda = 1: only the direction counts
+
+
+def test_the_selection_mini_batch_is_seeded_per_round_and_client(digits_client):
+    _, client = digits_client
+    x1, _ = client.selection_sample(3, 10)
+    x2, _ = client.selection_sample(3, 10)
+    x3, _ = client.selection_sample(4, 10)
+    assert torch.equal(x1, x2) and not torch.equal(x1, x3) and len(x1) == 10
+    assert len(client.selection_sample(3, 0)[1]) == client.num_train
+
+
+# ---- the strategies, with synthetic clients ----------------------------------------------------
+
+GROUPS = np.repeat(np.arange(3), 4)  # 12 clients, 3 true clusters
+TARGETS = np.random.default_rng(0).normal(size=(3, DIM)) * 5
+
+
+def init_weights(seed):
+    return unflatten(np.random.default_rng(seed).normal(size=DIM))
+
+
+def strategy_of(cls, tmp_path, rounds=6, **options):
+    opts = dict(num_clusters=3, client_fraction=0.5) | options
+    options_cls = GradLossOptions if cls is GradLoss else IFCAOptions
+    setup = make_setup(tmp_path, len(GROUPS), true=GROUPS, rounds=rounds, init_weights=init_weights)
+    return cls(options_cls(**opts), setup)
+
+
+def reply(pid, ins, chooser=None):
+    """A synthetic client: picks the model nearest its group's target (or ``chooser``'s pick),
+    pulls it halfway to the target; ``select`` replies carry no arrays."""
+    blocks = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
+    models = blocks[MODELS]
+    task = ins.config[TASK_KEY]
+    metrics = {protocol.TRAIN_LOSS: 1.0}
+    chosen = 0
+    if task in (TRAIN_SELECT.name, SELECT.name):
+        losses = [float(np.linalg.norm(flat(m) - TARGETS[GROUPS[pid]])) for m in models]
+        chosen = int(np.argmin(losses)) if chooser is None else chooser(pid, len(models))
+        metrics |= select_metrics(chosen, losses)
+        if DIRECTIONS in blocks:
+            metrics |= {protocol.indexed(protocol.SIMILARITY, k): 0.0 for k in range(len(models))}
+    if task == SELECT.name:
+        return FitRes(Status(Code.OK, ""), ndarrays_to_parameters([]), 10, metrics)
+    w = flat(models[chosen])
+    new = unflatten(w + 0.5 * (TARGETS[GROUPS[pid]] - w))
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new), 10 + pid, metrics)
+
+
+def play(strategy, manager, rnd, chooser=None):
+    """One round; returns {pid: (task, blocks)} of what each client received."""
+    received, results = {}, []
+    for proxy, ins in strategy.configure_fit(rnd, None, manager):
+        blocks = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
+        received[proxy.pid] = (ins.config[TASK_KEY], blocks, dict(ins.config))
+        results.append((proxy, reply(proxy.pid, ins, chooser)))
+    strategy.aggregate_fit(rnd, results, [])
+    evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: 0.5}))
+             for p, _ in strategy.configure_evaluate(rnd, None, manager)]
+    strategy.aggregate_evaluate(rnd, evals, [])
+    return received
+
+
+def test_sampled_clients_get_all_models_and_the_others_are_asked_once(tmp_path):
+    strategy, manager = strategy_of(IFCA, tmp_path), client_manager(len(GROUPS))
+    received = play(strategy, manager, 1)
+    tasks = {pid: task for pid, (task, _, _) in received.items()}
+    assert sorted(tasks.values()).count(TRAIN_SELECT.name) == 6 and sorted(tasks.values()).count(SELECT.name) == 6
+    for task, blocks, _ in received.values():
+        assert len(blocks[MODELS]) == 3 and DIRECTIONS not in blocks
+    assert (strategy.assignment != UNASSIGNED).all()  # everyone has an identity after round 1
+    received = play(strategy, manager, 2)
+    assert {task for task, _, _ in received.values()} == {TRAIN_SELECT.name} and len(received) == 6
+    rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    model_bytes = sum(a.nbytes for a in init_weights(0))
+    assert rows[1]["bytes_down"] > 6 * 3 * model_bytes  # K models to every sampled client
+
+
+def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_model(tmp_path):
+    strategy, manager = strategy_of(IFCA, tmp_path, client_fraction=1.0), client_manager(len(GROUPS))
+    start = {k: flat(m).copy() for k, m in strategy.models.items()}
+    play(strategy, manager, 1, chooser=lambda pid, k: 0 if pid < 6 else 2)  # nobody picks cluster 1
+    assert strategy.assignment.tolist() == [0] * 6 + [2] * 6
+    np.testing.assert_array_equal(flat(strategy.models[1]), start[1])
+    for cluster, members in ((0, range(6)), (2, range(6, 12))):
+        pulled = [flat(unflatten(start[cluster] + 0.5 * (TARGETS[GROUPS[p]] - start[cluster]))) for p in members]
+        expected = np.average(pulled, axis=0, weights=[10 + p for p in members])
+        np.testing.assert_allclose(flat(strategy.models[cluster]), expected, rtol=1e-5)
+    assert strategy.setup.recorder.rows[-1]["cluster_sizes"] == [6, 0, 6]
+
+
+def test_an_empty_cluster_is_given_a_sampled_client_only_with_reseed_empty(tmp_path):
+    always_first = lambda pid, k: 0  # noqa: E731 - every client picks cluster 0
+    plain = strategy_of(IFCA, tmp_path / "plain", client_fraction=1.0)
+    play(plain, client_manager(len(GROUPS)), 1, always_first)
+    received = play(plain, client_manager(len(GROUPS)), 2, always_first)
+    assert {task for task, _, _ in received.values()} == {TRAIN_SELECT.name}
+
+    strategy = strategy_of(IFCA, tmp_path / "reseed", client_fraction=1.0, reseed_empty=True)
+    manager = client_manager(len(GROUPS))
+    play(strategy, manager, 1, always_first)
+    assert strategy.to_reseed == [1, 2]
+    kept = {k: flat(strategy.models[k]).copy() for k in (1, 2)}
+    received = play(strategy, manager, 2, always_first)
+    given = {pid: blocks for pid, (task, blocks, _) in received.items() if task == TRAIN.name}
+    assert len(given) == 2
+    for cluster, pid in strategy.reseeded.items():
+        np.testing.assert_array_equal(flat(given[pid][MODELS][0]), kept[cluster])  # trains the empty cluster's model
+        assert strategy.assignment[pid] == cluster
+        assert not np.array_equal(flat(strategy.models[cluster]), kept[cluster])
+    assert sorted(strategy.setup.recorder.rows[-1]["cluster_sizes"]) == [1, 1, 10]
+
+
+def test_gradloss_sends_zero_directions_first_then_each_clusters_last_update(tmp_path):
+    strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, lambda_=0.5)
+    manager = client_manager(len(GROUPS))
+    received = play(strategy, manager, 1, chooser=lambda pid, k: 0 if pid < 6 else 2)
+    _, blocks, config = received[0]
+    assert config[protocol.LAMBDA_KEY] == 0.5 and config[protocol.LOSS_REDUCTION_KEY] == "sum"
+    assert all(not np.any(a) for item in blocks[DIRECTIONS] for a in item)
+    received = play(strategy, manager, 2, chooser=lambda pid, k: 0 if pid < 6 else 2)
+    directions = received[0][1][DIRECTIONS]
+    assert any(np.any(a) for a in directions[0]) and not any(np.any(a) for a in directions[1])  # 1 never updated
+    before = {k: flat(m).copy() for k, m in strategy.models.items()}
+    play(strategy, manager, 3, chooser=lambda pid, k: 0 if pid < 6 else 2)
+    for cluster in (0, 2):
+        np.testing.assert_allclose(flat(strategy.directions[cluster]), flat(strategy.models[cluster]) - before[cluster],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):
+    strategy = strategy_of(GradLoss, tmp_path, rounds=2, client_fraction=1.0)
+    manager = client_manager(len(GROUPS))
+    play(strategy, manager, 1, chooser=lambda pid, k: 0)
+    play(strategy, manager, 2, chooser=lambda pid, k: 1 if pid < 3 else 0)
+    assert strategy.setup.recorder.rows[-1]["identity_changes"] == 3
+    models, state = load_checkpoint(tmp_path)
+    resumed = strategy_of(GradLoss, tmp_path / "other", rounds=2, client_fraction=1.0)
+    resumed.restore(models, state)
+    assert resumed.asked == set(range(12)) and sorted(resumed.directions) == [0, 1]
+    np.testing.assert_array_equal(flat(resumed.directions[1]), flat(strategy.directions[1]))
+
+
+def test_warmup_trains_one_model_then_spawns_k_distinct_ones(tmp_path):
+    strategy = strategy_of(IFCA, tmp_path, warmup_rounds=2)
+    manager = client_manager(len(GROUPS))
+    for rnd in (1, 2):
+        received = play(strategy, manager, rnd)
+        assert {task for task, _, _ in received.values()} == {TRAIN.name} and strategy.phase(rnd) == "warmup"
+    assert len(strategy.models) == 3
+    vectors = [flat(m) for m in strategy.models.values()]
+    assert not np.array_equal(vectors[0], vectors[1])
+    assert np.abs(vectors[0] - vectors[1]).max() < 0.1  # the warm model plus small noise
+    received = play(strategy, manager, 3)
+    assert {task for task, _, _ in received.values()} == {TRAIN_SELECT.name, SELECT.name}
+
+
+def test_purity_is_the_share_of_clients_in_their_clusters_majority():
+    true = np.array([0, 0, 0, 1, 1, 1, 2, 2])
+    identities = np.array([5, 5, 7, 7, 7, 7, 9, 9])  # cluster 7 holds one of true 0 and three of true 1
+    assert purity(true, identities) == pytest.approx((2 + 3 + 2) / 8)
