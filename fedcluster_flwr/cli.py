@@ -147,10 +147,11 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
     reached = summary.get("rounds_to_target")
     over = "n/a" if summary.get("pct_clients_over_target") is None else f"{summary['pct_clients_over_target']:.1f} %"
     target = summary.get("target_accuracy")
-    clusters = summary.get("per_cluster_accuracy") or {}
-    per_cluster = "  ".join(f"{k}: {pct(v)}" for k, v in list(clusters.items())[:12])
-    if len(clusters) > 12:
-        per_cluster += f"  ... ({len(clusters)} clusters)"
+    def by_cluster(key: str) -> str:
+        clusters = summary.get(key) or {}
+        text = "  ".join(f"{k}: {pct(v)}" for k, v in list(clusters.items())[:12])
+        return text + (f"  ... ({len(clusters)} clusters)" if len(clusters) > 12 else "")
+
     scores = ", ".join(
         f"{name} {summary[key]:.2f}" for key, name in (("purity", "purity"), ("ari", "ARI"), ("nmi", "NMI"))
         if summary.get(key) is not None
@@ -161,7 +162,8 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
         f"  clients over target    {over} (target {target:g}; the mean reached it "
         f"{'at round ' + str(reached) if reached else 'never'})",
         f"  clusters               {summary.get('num_clusters')} ({scores})",
-        f"  per-cluster accuracy   {per_cluster}",
+        f"  per-cluster accuracy   {by_cluster('per_cluster_accuracy')}",
+        f"  per true cluster       {by_cluster('per_true_cluster_accuracy')}",
         f"  communication          up {summary['bytes_up'] / 1e6:.1f} MB, down {summary['bytes_down'] / 1e6:.1f} MB",
         f"  failures               {summary['fit_failures']} failed fits, {summary['rejected_updates']} rejected updates",
         f"  wall time              {summary['wall_seconds']:.1f} s",

@@ -115,3 +115,19 @@ def test_resume_continues_a_run_exactly(tmp_path):
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["finished"] and summary["completed_rounds"] == 6
     assert "rounds: 6" in (tmp_path / "resumed" / "config.yaml").read_text()
+
+
+def test_ifca_recovers_disjoint_class_subsets_through_ray(tmp_path):
+    """K = 2 cluster models on digits split by class (0-4 vs 5-9): IFCA finds the two groups, and
+    every sampled client downloads both models."""
+    summary, run_dir = run(
+        tmp_path, "ifca", "rounds=8", "strategy.name=ifca", "strategy.num_clusters=2", "strategy.client_fraction=0.5",
+        "partition.name=class_subsets", "partition.samples_per_client=70", "partition.subsets=[[0,1,2,3,4],[5,6,7,8,9]]",
+    )
+    assert summary["finished"] and summary["purity"] == 1.0 and summary["ari"] == 1.0
+    assert sorted(summary["cluster_sizes"]) == [10, 10]
+    rows = read_rounds(run_dir)
+    assert rows[-1]["identity_changes"] == 0 and rows[-1]["identified_clients"] == 20
+    assert summary["mean_client_accuracy"] > 0.9
+    assert set(summary["per_true_cluster_accuracy"]) == {"0", "1"}
+    assert rows[1]["bytes_down"] >= 2 * rows[1]["bytes_up"]  # two models down, one up, per sampled client
