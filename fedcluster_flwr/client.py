@@ -11,6 +11,10 @@ declares. Handlers here:
   that missed the clustering round) or, when update directions come along, Lin et al.'s
   λ·S − (1−λ)·L (highest wins); see :func:`score_models`.
 * ``select``: the same choice without training (a client asked once for its identity).
+* ``gram_eigen``: the top-k eigenvectors and eigenvalues of G = (1/n) Φ(X)ᵀΦ(X) of the
+  client's training images (Ali & Arafa's one-shot summary of its data).
+* ``relevance``: given every client's eigenpairs, the client's row r(i, ·) of the relevance
+  matrix (see :func:`~fedcluster_flwr.clustering.relevance_row`).
 * ``evaluate``: test the received model on the client's own test split.
 
 A new task's handler is a function ``(client, TaskInput) -> TaskOutput`` registered with
@@ -30,6 +34,8 @@ from torch import nn
 
 from . import protocol
 from .protocol import MODEL, MODELS, Task
+from .clustering import relevance_row
+from .features import feature_map, gram_matrix, top_eigenpairs
 from .training import TrainSettings, evaluate, get_weights, selection_score_inputs, set_weights, train
 
 
@@ -166,6 +172,17 @@ class ClusterClient(NumPyClient):
     def num_train(self) -> int:
         return len(self.data.y_train)
 
+    def gram(self, config: Mapping[str, Scalar]) -> torch.Tensor:
+        """G = (1/n) ΦᵀΦ of the training images, with the feature map the config names."""
+        phi = feature_map(
+            str(config[protocol.FEATURES_KEY]),
+            tuple(self.data.x_train.shape[1:]),
+            int(config[protocol.FEATURE_DIM_KEY]),
+            int(config[protocol.FEATURE_SEED_KEY]),
+            str(config[protocol.PRETRAINED_WEIGHTS_KEY]) or None,
+        )
+        return gram_matrix(phi(self.data.x_train))
+
 
 @handles(protocol.TRAIN)
 def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
@@ -235,3 +252,17 @@ def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOut
     (arrays,) = inputs.blocks[MODELS]
     loss, accuracy = evaluate(client.load_model(arrays), client.data.x_test, client.data.y_test, client.device)
     return TaskOutput({}, len(client.data.y_test), {protocol.ACCURACY: accuracy}, loss=loss)
+
+
+@handles(protocol.GRAM_EIGEN)
+def top_gram_eigenpairs(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    vectors, values = top_eigenpairs(client.gram(inputs.config), int(inputs.config[protocol.NUM_EIGENVECTORS_KEY]))
+    blocks = {protocol.EIGENVECTORS: [vectors.float().numpy()], protocol.EIGENVALUES: [values.float().numpy()]}
+    return TaskOutput(blocks, client.num_train)
+
+
+@handles(protocol.RELEVANCE_ROW)
+def relevance_to_every_client(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    eigenpairs = [(vectors, values) for vectors, values in inputs.blocks[protocol.EIGENVECTORS]]
+    row = relevance_row(client.gram(inputs.config).numpy(), eigenpairs)
+    return TaskOutput({protocol.RELEVANCE: [row.astype(np.float32)]}, client.num_train)

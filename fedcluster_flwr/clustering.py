@@ -139,9 +139,23 @@ def hierarchical_clustering(
         raise ValueError("ward linkage needs l2 (Euclidean) distances")
     if (threshold is None) == (num_clusters is None):
         raise ValueError("give exactly one of threshold and num_clusters")
-    distances = pairwise_distances(vectors, distance)
-    if len(vectors) < 2:
-        return HacResult(np.zeros(len(vectors), dtype=np.int64), np.zeros((0, 4)), distances)
+    return cluster_condensed(pairwise_distances(vectors, distance), len(vectors), linkage,
+                             threshold=threshold, num_clusters=num_clusters)
+
+
+def cluster_condensed(
+    distances: np.ndarray,
+    count: int,
+    linkage: str,
+    *,
+    threshold: float | None = None,
+    num_clusters: int | None = None,
+) -> HacResult:
+    """Agglomerative clustering of ``count`` items given their condensed pairwise ``distances``."""
+    if (threshold is None) == (num_clusters is None):
+        raise ValueError("give exactly one of threshold and num_clusters")
+    if count < 2:
+        return HacResult(np.zeros(count, dtype=np.int64), np.zeros((0, 4)), distances)
     tree = hierarchy.linkage(distances, method=linkage)
     if threshold is not None:
         flat = hierarchy.fcluster(tree, t=threshold, criterion="distance")
@@ -174,3 +188,61 @@ def cluster_scores(true: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
         "ari": float(adjusted_rand_score(true, predicted)),
         "nmi": float(normalized_mutual_info_score(true, predicted)),
     }
+
+
+# ---- one-shot data-similarity clustering (Ali & Arafa) ------------------------------------------
+
+RELEVANCE_FLOOR = 1e-3
+
+
+def relevance_row(
+    gram: np.ndarray, eigenpairs: Sequence[tuple[np.ndarray, np.ndarray]], floor: float = RELEVANCE_FLOOR
+) -> np.ndarray:
+    """Row r(i, ·) of the relevance matrix, for client i with Gram matrix ``gram`` (d × d).
+
+    For client j's top eigenvectors v_k (rows of a k × d array) and eigenvalues λ_k, client i
+    measures how much of its own data lies along each: λ̂_k = ‖G_i v_k‖ (eq. 2). The
+    per-direction agreement is min(λ_k, λ̂_k) / max(λ_k, λ̂_k) (eq. 3) and r(i, j) their
+    geometric mean over k (eq. 4); r(i, i) = 1, as v_k is then an eigenvector of G_i.
+
+    Tiny eigenvalues (the paper's own warning): a direction in which one client has
+    (numerically) no variance would make its ratio 0 and zero the whole geometric mean. Each
+    ratio is therefore taken as (min + ε) / (max + ε), with ε = ``floor`` · λ_1 (client j's
+    largest eigenvalue): such a direction lowers r by a factor of at most about floor^(1/k),
+    and directions at the scale of the data are unaffected.
+    """
+    row = np.empty(len(eigenpairs))
+    for j, (vectors, values) in enumerate(eigenpairs):
+        projected = np.linalg.norm(gram @ np.asarray(vectors, dtype=np.float64).T, axis=0)
+        values = np.asarray(values, dtype=np.float64)
+        eps = floor * max(float(values.max(initial=0.0)), float(projected.max(initial=0.0)), np.finfo(float).tiny)
+        ratios = (np.minimum(values, projected) + eps) / (np.maximum(values, projected) + eps)
+        with np.errstate(divide="ignore"):  # floor 0 (no guard) may take log(0) = -inf: r = 0
+            row[j] = float(np.exp(np.mean(np.log(ratios))))
+    return row
+
+
+def relevance_matrix(rows: np.ndarray) -> np.ndarray:
+    """R = (r + rᵀ) / 2 (eq. 5): symmetric, in [0, 1], 1 on the diagonal."""
+    rows = np.asarray(rows, dtype=np.float64)
+    return (rows + rows.T) / 2
+
+
+def cluster_by_relevance(
+    relevance: np.ndarray, linkage: str, *, threshold: float | None = None, num_clusters: int | None = None
+) -> HacResult:
+    """Agglomerative clustering of 1 − R (a distance: 0 for identical data)."""
+    distance = np.clip(1.0 - relevance, 0.0, None)
+    np.fill_diagonal(distance, 0.0)
+    return cluster_condensed(squareform(distance, checks=False), len(relevance), linkage,
+                             threshold=threshold, num_clusters=num_clusters)
+
+
+def within_and_across(matrix: np.ndarray, groups: np.ndarray) -> tuple[float, float]:
+    """Mean off-diagonal entry of ``matrix`` between items of the same group, and of different groups."""
+    groups = np.asarray(groups)
+    same = groups[:, None] == groups[None, :]
+    off_diagonal = ~np.eye(len(groups), dtype=bool)
+    within = matrix[same & off_diagonal]
+    across = matrix[~same]
+    return (float(within.mean()) if within.size else float("nan"), float(across.mean()) if across.size else float("nan"))

@@ -129,6 +129,7 @@ def server_components(
         initial_weights=get_weights(model),
         parameter_names=parameter_names(model),
         init_weights=functools.partial(seeded_weights, config),
+        input_shape=config.input_shape,
         num_clients=config.partition.num_clients,
         true_clusters=partition.true_clusters,
         train_sizes=[len(idx) for idx in partition.train_indices],

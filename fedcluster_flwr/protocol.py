@@ -17,7 +17,7 @@ task               sends                                reply arrays            
                    (K, optional)                                                             (+ ``similarity_k``)
 ``select``         ``models`` (K), ``directions``       –                                   as ``train_select``
                    (K, optional)
-``gram_eigen``     –                                    ``eigenvectors`` (k × d),            –
+``gram_eigen``     – (Φ and k in the config)            ``eigenvectors`` (k × d),            –
                                                         ``eigenvalues`` (k)
 ``relevance``      ``eigenvectors`` (N items of         ``relevance`` (N)                   –
                    k × d vectors and k values)
@@ -48,7 +48,10 @@ TASK_KEY = "task"
 ROUND_KEY = "round"
 LAYOUT_KEY = "layout"
 NUM_EIGENVECTORS_KEY = "num_eigenvectors"
-FEATURE_DIM_KEY = "feature_dim"
+FEATURES_KEY = "features"  # gram_eigen/relevance: the feature map Φ (see features.py)
+FEATURE_DIM_KEY = "feature_dim"  # d, the number of features of Φ
+FEATURE_SEED_KEY = "feature_seed"  # random_projection: the seed every client draws the projection from
+PRETRAINED_WEIGHTS_KEY = "pretrained_weights"  # pretrained: the backbone's weights file on the client
 SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the losses are taken on (0: all)
 LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
 LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
@@ -351,14 +354,17 @@ SELECT = Task(  # train_select without the training: "which of these models is m
     reply_shapes=lambda sent, model: {},
     metric_checks=_SELECTION_CHECKS,
 )
+_FEATURE_CONFIG = (FEATURES_KEY, FEATURE_DIM_KEY, FEATURE_SEED_KEY, PRETRAINED_WEIGHTS_KEY)
 GRAM_EIGEN = Task(
     "gram_eigen",
     sends=(),
     reply=(EIGENVECTORS, EIGENVALUES),
     reply_shapes=_eigen_shapes,
-    config=(NUM_EIGENVECTORS_KEY, FEATURE_DIM_KEY),
+    config=(NUM_EIGENVECTORS_KEY, *_FEATURE_CONFIG),
 )
-RELEVANCE_ROW = Task("relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape)
+RELEVANCE_ROW = Task(
+    "relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape, config=_FEATURE_CONFIG
+)
 GOSSIP_TRAIN = Task(
     "gossip_train",
     sends=(MODELS,),

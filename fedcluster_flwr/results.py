@@ -167,6 +167,45 @@ def plot_comparison(run_dirs: Sequence[Path], out_path: Path) -> None:
     plt.close(fig)
 
 
+def plot_dendrogram(linkage: np.ndarray, labels: list[str], threshold: float | None, path: Any, title: str) -> None:
+    """Dendrogram with leaves labelled ``client:true cluster`` and the cut threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scipy.cluster.hierarchy import dendrogram
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(labels)), 4.5))
+    dendrogram(linkage, labels=labels, color_threshold=threshold, ax=ax, leaf_font_size=6)
+    if threshold is not None:
+        ax.axhline(threshold, color="tab:red", ls="--", lw=1, label=f"threshold {threshold:g}")
+        ax.legend(fontsize=8)
+    ax.set(title=title, ylabel="distance", xlabel="client:true cluster")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_similarity(matrix: np.ndarray, labels: list[str], order: np.ndarray, path: Path, title: str) -> None:
+    """Heat map of a client-by-client similarity ``matrix``, rows and columns in ``order``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = max(4.5, 0.18 * len(order) + 2)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    image = ax.imshow(matrix[np.ix_(order, order)], cmap="viridis", vmin=0.0, vmax=1.0)
+    ticks = [labels[i] for i in order]
+    ax.set_xticks(range(len(order)), ticks, rotation=90, fontsize=6)
+    ax.set_yticks(range(len(order)), ticks, fontsize=6)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def load_checkpoint(run_dir: Path) -> tuple[dict[str, list[np.ndarray]], dict[str, Any]]:
     """The models (by name) and strategy state saved by :meth:`RunRecorder.save_checkpoint`."""
     folder = Path(run_dir) / "checkpoint"

@@ -86,7 +86,7 @@ def test_a_layout_that_does_not_fit_the_arrays_is_refused(layout, count, message
 def test_an_instruction_without_its_task_blocks_or_scalars_is_a_programming_error():
     with pytest.raises(ProtocolError, match=r"task 'train': missing \['models'\], unexpected \['eigenvectors'\]"):
         TRAIN.check_instruction({EIGENVECTORS: []}, {})
-    with pytest.raises(ProtocolError, match="missing \\['num_eigenvectors', 'feature_dim'\\]"):
+    with pytest.raises(ProtocolError, match="missing \\['num_eigenvectors', 'features', 'feature_dim', 'feature_seed', 'pretrained_weights'\\]"):
         GRAM_EIGEN.check_instruction({}, {})
     TRAIN_SELECT.check_instruction({MODELS: [model()], DIRECTIONS: [model()]}, {})  # directions are optional
 

@@ -131,3 +131,22 @@ def test_ifca_recovers_disjoint_class_subsets_through_ray(tmp_path):
     assert summary["mean_client_accuracy"] > 0.9
     assert set(summary["per_true_cluster_accuracy"]) == {"0", "1"}
     assert rows[1]["bytes_down"] >= 2 * rows[1]["bytes_up"]  # two models down, one up, per sampled client
+
+
+def test_oneshot_hfl_recovers_label_group_tasks_through_ray(tmp_path):
+    """Two tasks on digits (labels 0-4 vs 5-9, 10 % minority labels): the one-shot rounds
+    (gram_eigen, relevance) find the tasks before any training; the GPS shares the hidden layer."""
+    summary, run_dir = run(
+        tmp_path, "oneshot", "rounds=6", "strategy.name=oneshot_hfl", "strategy.num_clusters=2",
+        "strategy.threshold=null", "strategy.shared_layers=[fc]", "strategy.client_fraction=0.5",
+        "partition.name=label_groups", "partition.samples_per_client=70", "partition.groups=[[0,1,2,3,4],[5,6,7,8,9]]",
+    )
+    assert summary["finished"] and summary["clustering_round"] == 2
+    assert summary["purity"] == 1.0 and summary["ari"] == 1.0 and summary["clusters_found"] == 2
+    assert summary["relevance_within_true_clusters"] > summary["relevance_across_true_clusters"]
+    rows = read_rounds(run_dir)
+    assert [r["phase"] for r in rows] == ["gram_eigen", "relevance", "lps", "lps", "lps", "lps"]
+    assert rows[0]["bytes_gps"] == 0 and rows[-1]["bytes_gps"] > 0
+    assert summary["mean_client_accuracy"] > 0.8
+    for name in ("relevance.npy", "similarity.png", "dendrogram.png"):
+        assert (run_dir / name).is_file(), name

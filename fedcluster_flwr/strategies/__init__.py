@@ -10,9 +10,11 @@ from .directory import FederationError
 from .fedavg import FedAvg, LocalOnly, OracleClusters
 from .flhc import FLHC
 from .ifca import IFCA, GradLoss
+from .oneshot_hfl import OneShotHFL, OracleHFL, RandomClusters
 
 STRATEGIES: dict[str, type[ClusteredStrategy]] = {
-    cls.name: cls for cls in (FedAvg, LocalOnly, OracleClusters, FLHC, IFCA, GradLoss)
+    cls.name: cls
+    for cls in (FedAvg, LocalOnly, OracleClusters, FLHC, IFCA, GradLoss, OneShotHFL, RandomClusters, OracleHFL)
 }
 
 __all__ = ["STRATEGIES", "ClusteredStrategy", "FederationError", "Instruction", "Reply", "StrategySetup"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,3 +20,15 @@ def weighted_mean(models: Iterable[NDArrays], weights: Sequence[float], dtypes: 
         for acc, array in zip(sums, model):
             acc += np.multiply(array, weight / total, dtype=np.float64)
     return [acc.astype(dtype) for acc, dtype in zip(sums, dtypes)]
+
+
+def average_layers(models: Mapping[int, NDArrays], weights: Mapping[int, float], indices: Sequence[int]) -> dict[int, NDArrays]:
+    """``models`` with the arrays at ``indices`` replaced by their ``weights``-weighted average
+    across the models; every other array is kept as it is (the same object)."""
+    keys = sorted(models)
+    if not keys or not indices:
+        return dict(models)
+    dtypes = [models[keys[0]][i].dtype for i in indices]
+    shared = weighted_mean(([models[k][i] for i in indices] for k in keys), [weights[k] for k in keys], dtypes)
+    replaced = dict(zip(indices, shared))
+    return {k: [replaced.get(i, array) for i, array in enumerate(models[k])] for k in keys}

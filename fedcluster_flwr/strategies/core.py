@@ -85,6 +85,7 @@ class StrategySetup:
     timeout_s: float | None = None
     parameter_names: Sequence[str] | None = None  # the model's state_dict keys; None: array0, array1, ...
     init_weights: Callable[[int], NDArrays] | None = None  # a freshly initialised model for a seed
+    input_shape: tuple[int, ...] | None = None  # of the dataset's images (C, H, W)
 
     @property
     def model_spec(self) -> ModelSpec:

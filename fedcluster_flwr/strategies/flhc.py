@@ -30,6 +30,7 @@ import numpy as np
 from flwr.common import NDArrays, log
 
 from ..clustering import HacResult, UpdateMatrix, flatten, hierarchical_clustering
+from ..results import plot_dendrogram
 from ..schema import require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 
@@ -230,22 +231,3 @@ class FLHC(ClusteredStrategy):
             run_dir / "dendrogram.png",
             f"FL+HC round {self.clustered_at}: {self.options.distance} / {self.options.linkage}",
         )
-
-
-def plot_dendrogram(linkage: np.ndarray, labels: list[str], threshold: float | None, path: Any, title: str) -> None:
-    """Dendrogram with leaves labelled ``client:true cluster`` and the cut threshold."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from scipy.cluster.hierarchy import dendrogram
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(labels)), 4.5))
-    dendrogram(linkage, labels=labels, color_threshold=threshold, ax=ax, leaf_font_size=6)
-    if threshold is not None:
-        ax.axhline(threshold, color="tab:red", ls="--", lw=1, label=f"threshold {threshold:g}")
-        ax.legend(fontsize=8)
-    ax.set(title=title, ylabel="distance", xlabel="client:true cluster")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -1,0 +1,231 @@
+"""One-shot data-similarity clustering (Ali & Arafa): the relevance math, the client's Gram
+eigen-summary, the feature maps, and hierarchical training whose GPS touches only shared layers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+from conftest import DEFAULT_CONFIG
+from fedcluster_flwr import protocol
+from fedcluster_flwr.client import TaskInput, relevance_to_every_client, top_gram_eigenpairs
+from fedcluster_flwr.clustering import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
+from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.experiment import make_client
+from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
+from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
+from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.strategies.aggregation import average_layers
+from fedcluster_flwr.strategies.oneshot_hfl import HFLOptions, OracleHFL
+from test_strategies import SHAPES, client_manager, make_setup
+
+# ---- relevance -------------------------------------------------------------------------------------
+
+
+def summary_of(x: np.ndarray, k: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    gram = gram_matrix(torch.as_tensor(x, dtype=torch.float64))
+    vectors, values = top_eigenpairs(gram, k)
+    return gram.numpy(), (vectors.numpy(), values.numpy())
+
+
+def relevance_of(datasets: list[np.ndarray], k: int = 3) -> np.ndarray:
+    summaries = [summary_of(x, k) for x in datasets]
+    rows = np.stack([relevance_row(gram, [pair for _, pair in summaries]) for gram, _ in summaries])
+    return relevance_matrix(rows)
+
+
+def gaussian(seed: int, scales: list[float], n: int = 400) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, len(scales))) * np.asarray(scales)
+
+
+def test_a_client_is_fully_relevant_to_itself_and_identical_data_gives_r_one():
+    data = gaussian(0, [5, 3, 2, 1, 0.5, 0.2])
+    relevance = relevance_of([data, data.copy(), gaussian(1, [0.2, 0.5, 1, 2, 3, 5])])
+    assert np.diag(relevance) == pytest.approx(1.0, abs=1e-9)
+    assert relevance[0, 1] == pytest.approx(1.0, abs=1e-9)
+    assert np.allclose(relevance, relevance.T)
+
+
+def test_clients_of_different_distributions_are_less_relevant_and_cluster_apart():
+    first = [gaussian(s, [5, 3, 2, 0.3, 0.3, 0.3]) for s in range(3)]
+    second = [gaussian(10 + s, [0.3, 0.3, 0.3, 2, 3, 5]) for s in range(3)]
+    relevance = relevance_of(first + second)
+    within, across = within_and_across(relevance, np.array([0, 0, 0, 1, 1, 1]))
+    assert within > 0.9 and across < 0.3
+    labels = cluster_by_relevance(relevance, "average", num_clusters=2).labels
+    assert labels.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_near_zero_eigenvalue_lowers_a_score_but_never_zeroes_it():
+    """Client j has no variance along one of its top-k directions (eigenvalue 0). Unguarded, a
+    round-off-sized 1e-12 on the other side makes that ratio 0 and zeroes the whole score of
+    two clients with the same data; guarded, they score 1, and a client that does spread along
+    that direction is lowered, not zeroed."""
+    gram = np.diag([4.0, 2.0, 1.0, 1e-12])
+    vectors = np.eye(4)
+    values = np.array([4.0, 2.0, 1.0, 0.0])
+    assert relevance_row(gram, [(vectors, values)], floor=0.0)[0] == 0.0
+    assert relevance_row(gram, [(vectors, values)])[0] == pytest.approx(1.0, abs=1e-9)
+    other = np.diag([4.0, 2.0, 1.0, 0.5])  # client i does spread along the 4th direction
+    score = relevance_row(other, [(vectors, values)])[0]
+    assert 0.1 < score < 1.0
+    assert score == pytest.approx((4e-3 / (0.5 + 4e-3)) ** 0.25, rel=1e-6)
+
+
+# ---- the client's summaries, on real digits data --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def label_group_config():
+    overrides = ["partition.name=label_groups", "partition.groups=[[0,1,2,3,4],[5,6,7,8,9]]",
+                 "partition.samples_per_client=70", "strategy.name=fedavg"]
+    return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
+
+
+FEATURE_CONFIG = {protocol.FEATURES_KEY: "identity", protocol.FEATURE_DIM_KEY: 64, protocol.FEATURE_SEED_KEY: 0,
+                  protocol.PRETRAINED_WEIGHTS_KEY: ""}
+
+
+def test_gram_eigen_returns_the_top_eigenpairs_in_descending_order(label_group_config):
+    client = make_client(label_group_config, 0, 20)
+    output = top_gram_eigenpairs(client, TaskInput(1, {}, FEATURE_CONFIG | {protocol.NUM_EIGENVECTORS_KEY: 5}))
+    (vectors,), (values,) = output.blocks[protocol.EIGENVECTORS], output.blocks[protocol.EIGENVALUES]
+    assert vectors.shape == (5, 64) and values.shape == (5,) and vectors.dtype == np.float32
+    assert np.all(np.diff(values) <= 0)
+    np.testing.assert_allclose(vectors @ vectors.T, np.eye(5), atol=1e-5)
+    gram = client.gram(FEATURE_CONFIG).numpy()
+    np.testing.assert_allclose(gram @ vectors.T, vectors.T * values, rtol=1e-3, atol=1e-4)
+    assert values[0] == pytest.approx(np.linalg.eigvalsh(gram).max(), rel=1e-5)
+
+
+def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_config):
+    clients = [make_client(label_group_config, pid, 20) for pid in range(20)]
+    config = FEATURE_CONFIG | {protocol.NUM_EIGENVECTORS_KEY: 5}
+    summaries = []
+    for client in clients:
+        blocks = top_gram_eigenpairs(client, TaskInput(1, {}, config)).blocks
+        summaries.append([blocks[protocol.EIGENVECTORS][0], blocks[protocol.EIGENVALUES][0]])
+    rows = np.stack([
+        relevance_to_every_client(client, TaskInput(2, {protocol.EIGENVECTORS: summaries}, FEATURE_CONFIG))
+        .blocks[protocol.RELEVANCE][0] for client in clients
+    ])
+    assert np.diag(rows) == pytest.approx(1.0, abs=1e-4)
+    relevance = relevance_matrix(rows)
+    from fedcluster_flwr.experiment import experiment_data
+
+    true = experiment_data(label_group_config)[1].true_clusters
+    within, across = within_and_across(relevance, true)
+    assert within > across + 0.1
+    labels = cluster_by_relevance(relevance, "average", num_clusters=2).labels
+    assert (labels == true).all() or (labels == 1 - true).all()
+
+
+def test_random_projection_is_the_same_for_every_client_with_the_seed():
+    x = torch.randn(10, 1, 8, 8)
+    a = feature_map("random_projection", (1, 8, 8), 16, seed=3)(x)
+    b = feature_map("random_projection", (1, 8, 8), 16, seed=3)(x)
+    c = feature_map("random_projection", (1, 8, 8), 16, seed=4)(x)
+    assert a.shape == (10, 16) and torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_pretrained_features_read_a_weights_file_and_never_download(tmp_path):
+    import torchvision
+
+    with pytest.raises(ConfigError, match=f"strategy.pretrained_weights: expected the ResNet-18 weights file at {tmp_path}/missing.pth"):
+        feature_map("pretrained", (1, 28, 28), 512, 0, str(tmp_path / "missing.pth"))
+    torch.manual_seed(0)
+    weights = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), weights)
+    phi = feature_map("pretrained", (1, 28, 28), 512, 0, str(weights))(torch.randn(4, 1, 28, 28))
+    assert phi.shape == (4, 512) and torch.isfinite(phi).all()
+
+
+def test_config_errors_name_the_key():
+    def load(*overrides):
+        return load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("strategy.name=oneshot_hfl", *overrides)])
+
+    with pytest.raises(ConfigError, match="strategy.shared_layers: 'conv' names no parameter of the model; its parameters are: fc.0.weight"):
+        load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.shared_layers=[conv]")
+    with pytest.raises(ConfigError, match="strategy.pretrained_weights: features 'pretrained' needs the path"):
+        load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.features=pretrained")
+    with pytest.raises(ConfigError, match="strategy.feature_dim: features random_projection needs"):
+        load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.features=random_projection")
+    with pytest.raises(ConfigError, match="strategy.num_eigenvectors: cannot exceed the 64 features of identity"):
+        load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.num_eigenvectors=65")
+    with pytest.raises(ConfigError, match="strategy.threshold: must be in \\(0, 1\\)"):
+        load("strategy.threshold=20.0")
+
+
+# ---- the GPS ----------------------------------------------------------------------------------------
+
+
+def test_average_layers_replaces_only_the_shared_arrays_weighted_by_size():
+    models = {0: [np.full(3, 1.0, np.float32), np.full(2, 5.0, np.float32)],
+              1: [np.full(3, 4.0, np.float32), np.full(2, 7.0, np.float32)]}
+    averaged = average_layers(models, {0: 2.0, 1: 1.0}, [0])
+    for k in (0, 1):
+        np.testing.assert_allclose(averaged[k][0], 2.0)  # (2 * 1 + 1 * 4) / 3
+        assert averaged[k][1] is models[k][1]  # untouched, not even copied
+
+
+def test_gps_touches_only_the_shared_layers_and_weights_by_cluster_data_size(tmp_path):
+    true = np.array([0, 0, 0, 1])
+    setup = make_setup(tmp_path, 4, true=true, train_sizes=[10, 10, 10, 30], parameter_names=["shared.w", "own.b"])
+    strategy = OracleHFL(HFLOptions(client_fraction=1.0, shared_layers=("shared",)), setup)
+    manager = client_manager(4)
+    results = []
+    for proxy, ins in strategy.configure_fit(1, None, manager):
+        assert ins.config[TASK_KEY] == "train"
+        (model,) = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[MODELS]
+        trained = [np.full(s, float(10 * true[proxy.pid] + proxy.pid), np.float32) for s in SHAPES]
+        n = setup.train_sizes[proxy.pid]
+        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(trained), n, {})))
+    strategy.aggregate_fit(1, results, [])
+    # LPS FedAvg: cluster 0 = mean of 0, 1, 2 = 1.0; cluster 1 = client 3's 13.0.
+    # GPS on "shared.w" weighted by data size 30 vs 30: (1 + 13) / 2 = 7; "own.b" stays per LPS.
+    np.testing.assert_allclose(strategy.models[0][0], 7.0)
+    np.testing.assert_allclose(strategy.models[1][0], 7.0)
+    np.testing.assert_allclose(strategy.models[0][1], 1.0)
+    np.testing.assert_allclose(strategy.models[1][1], 13.0)
+    evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: 0.5}))
+             for p, _ in strategy.configure_evaluate(1, None, manager)]
+    strategy.aggregate_evaluate(1, evals, [])
+    row = json.loads((tmp_path / "rounds.jsonl").read_text())
+    assert row["bytes_gps"] == 2 * 2 * 12 * 4  # two LPS, up and down, one 4x3 float32 array
+
+
+def test_gps_weights_differ_from_member_counts(tmp_path):
+    true = np.array([0, 0, 0, 1])
+    setup = make_setup(tmp_path, 4, true=true, train_sizes=[10, 10, 10, 90], parameter_names=["shared.w", "own.b"])
+    strategy = OracleHFL(HFLOptions(shared_layers=("shared",)), setup)
+    strategy.models = {0: [np.zeros((4, 3), np.float32), np.zeros(3, np.float32)],
+                       1: [np.ones((4, 3), np.float32), np.ones(3, np.float32)]}
+    strategy.gps_step()
+    np.testing.assert_allclose(strategy.models[0][0], 0.75)  # 90 / (30 + 90), not 1 / 4 by members
+    np.testing.assert_allclose(strategy.models[0][1], 0.0)
+
+
+def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
+    """conf/oneshot_cifar10_2tasks.yaml end to end (in process) on CIFAR-10 batches written in the
+    official python format: one-shot rounds, then LeNet LPS models sharing their conv layers."""
+    from conftest import ROOT
+    from inprocess import run_in_process
+    from test_datasets import _write_cifar
+
+    _write_cifar(tmp_path / "data", per_batch=100)
+    overrides = [f"dataset.data_dir={tmp_path / 'data'}", "partition.samples_per_client=20", "rounds=3",
+                 "strategy.features=random_projection", "strategy.feature_dim=64"]
+    config, _ = load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml", [parse_override(o) for o in overrides])
+    strategy = run_in_process(config, tmp_path / "run")
+    rows = strategy.setup.recorder.rows
+    assert [r["phase"] for r in rows] == ["gram_eigen", "relevance", "lps"]
+    assert strategy.clustering_round == 2 and len(strategy.models) == 2
+    conv = strategy.parameter_indices(["conv"], "strategy.shared_layers")
+    assert conv == [0, 1, 2, 3]
+    for i in conv:  # the GPS made the conv layers identical across the two LPS models
+        np.testing.assert_array_equal(strategy.models[0][i], strategy.models[1][i])
+    assert not np.array_equal(strategy.models[0][-1], strategy.models[1][-1])  # the classifier stays per LPS
