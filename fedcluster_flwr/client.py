@@ -15,6 +15,9 @@ declares. Handlers here:
   client's training images (Ali & Arafa's one-shot summary of its data).
 * ``relevance``: given every client's eigenpairs, the client's row r(i, ·) of the relevance
   matrix (see :func:`~fedcluster_flwr.clustering.relevance_row`).
+* ``gossip_train``: given its own model and m neighbours' models, the loss of each neighbour
+  model on the client's training data, then FedAvg of all m + 1 models by sample counts, then
+  local training of the merged model (Zec et al.'s DAC step).
 * ``evaluate``: test the received model on the client's own test split.
 
 A new task's handler is a function ``(client, TaskInput) -> TaskOutput`` registered with
@@ -34,6 +37,7 @@ from torch import nn
 
 from . import protocol
 from .protocol import MODEL, MODELS, Task
+from .aggregation import weighted_mean
 from .clustering import relevance_row
 from .features import feature_map, gram_matrix, top_eigenpairs
 from .training import TrainSettings, evaluate, get_weights, selection_score_inputs, set_weights, train
@@ -49,6 +53,8 @@ class ClientData:
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    x_val: torch.Tensor | None = None  # held out of training for model selection (partition.val_fraction)
+    y_val: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -249,9 +255,15 @@ def select_best_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
 
 @handles(protocol.EVALUATE)
 def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    """Test loss and accuracy; with a validation split, also the validation loss."""
     (arrays,) = inputs.blocks[MODELS]
-    loss, accuracy = evaluate(client.load_model(arrays), client.data.x_test, client.data.y_test, client.device)
-    return TaskOutput({}, len(client.data.y_test), {protocol.ACCURACY: accuracy}, loss=loss)
+    model = client.load_model(arrays)
+    data = client.data
+    loss, accuracy = evaluate(model, data.x_test, data.y_test, client.device)
+    metrics: dict[str, Scalar] = {protocol.ACCURACY: accuracy}
+    if data.x_val is not None and data.y_val is not None and len(data.y_val):
+        metrics[protocol.VAL_LOSS] = evaluate(model, data.x_val, data.y_val, client.device)[0]
+    return TaskOutput({}, len(data.y_test), metrics, loss=loss)
 
 
 @handles(protocol.GRAM_EIGEN)
@@ -266,3 +278,16 @@ def relevance_to_every_client(client: ClusterClient, inputs: TaskInput) -> TaskO
     eigenpairs = [(vectors, values) for vectors, values in inputs.blocks[protocol.EIGENVECTORS]]
     row = relevance_row(client.gram(inputs.config).numpy(), eigenpairs)
     return TaskOutput({protocol.RELEVANCE: [row.astype(np.float32)]}, client.num_train)
+
+
+@handles(protocol.GOSSIP_TRAIN)
+def merge_neighbours_and_train(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
+    own, *neighbours = inputs.blocks[MODELS]
+    metrics: dict[str, Scalar] = {
+        protocol.indexed(protocol.LOSS, j): client.training_loss(client.load_model(arrays))
+        for j, arrays in enumerate(neighbours)
+    }
+    counts = [client.num_train] + [int(inputs.config[protocol.indexed(protocol.SAMPLES_KEY, j)]) for j in range(len(neighbours))]
+    merged = client.load_model(weighted_mean([own, *neighbours], counts, [a.dtype for a in own]))
+    metrics[protocol.TRAIN_LOSS] = client.train_model(merged, inputs.server_round)
+    return TaskOutput({MODEL: get_weights(merged)}, client.num_train, metrics)

@@ -56,9 +56,10 @@ class PartitionConfig:
     samples_per_client: int | None
     test_fraction: float
     options: Any  # the partitioner's own options dataclass
+    val_fraction: float = 0.0
 
 
-PARTITION_COMMON = {"name", "num_clients", "samples_per_client", "test_fraction"}
+PARTITION_COMMON = {"name", "num_clients", "samples_per_client", "test_fraction", "val_fraction"}
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ class _PartitionCommon:
     num_clients: int = 10
     samples_per_client: int | None = None
     test_fraction: float = 0.2
+    val_fraction: float = 0.0  # of each client's samples, held out of training for model selection
 
     def validate(self, prefix: str) -> None:
         require(self.num_clients >= 1, f"{prefix}.num_clients", f"must be >= 1, got {self.num_clients}")
@@ -269,6 +271,11 @@ class _PartitionCommon:
             0.0 < self.test_fraction < 1.0,
             f"{prefix}.test_fraction",
             f"must be in (0, 1), got {self.test_fraction}",
+        )
+        require(
+            0.0 <= self.val_fraction < 1.0 - self.test_fraction,
+            f"{prefix}.val_fraction",
+            f"must be in [0, 1 - test_fraction) = [0, {1.0 - self.test_fraction:g}), got {self.val_fraction}",
         )
 
 
@@ -291,6 +298,7 @@ def build_config(raw: Mapping[str, Any]) -> tuple[ExperimentConfig, list[str]]:
         num_clients=common.num_clients,
         samples_per_client=common.samples_per_client,
         test_fraction=common.test_fraction,
+        val_fraction=common.val_fraction,
         options=from_mapping(PARTITIONERS[part_name].options, part_opts, "partition"),
     )
     strat_name, _, strat_opts = _split_named_section(

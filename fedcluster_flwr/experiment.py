@@ -78,6 +78,7 @@ def _partition(config_key: tuple[Any, ...]) -> Partition:
         num_clients=partition.num_clients,
         samples_per_client=partition.samples_per_client,
         test_fraction=partition.test_fraction,
+        val_fraction=partition.val_fraction,
         seed=seed,
         writers=pool.writers,
     )
@@ -161,6 +162,7 @@ def make_client(config: ExperimentConfig, pid: int, num_partitions: int) -> Clus
     transform = partition.transforms[pid]
     x_train, y_train = pool.tensors(partition.train_indices[pid], transform)
     x_test, y_test = pool.tensors(partition.test_indices[pid], transform)
+    validation = pool.tensors(partition.val_indices[pid], transform) if partition.val_indices else (None, None)
     client = config.client
     if client.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
@@ -168,7 +170,7 @@ def make_client(config: ExperimentConfig, pid: int, num_partitions: int) -> Clus
     return ClusterClient(
         pid=pid,
         num_partitions=num_partitions,
-        data=ClientData(x_train, y_train, x_test, y_test),
+        data=ClientData(x_train, y_train, x_test, y_test, *validation),
         model_factory=model_factory(config),
         settings=TrainSettings(
             client.epochs, client.batch_size, client.lr, client.optimizer, client.momentum, client.weight_decay

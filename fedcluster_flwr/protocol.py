@@ -21,8 +21,10 @@ task               sends                                reply arrays            
                                                         ``eigenvalues`` (k)
 ``relevance``      ``eigenvectors`` (N items of         ``relevance`` (N)                   –
                    k × d vectors and k values)
-``gossip_train``   ``models`` (own + m neighbours)      ``model`` (own, trained)            ``loss_j``, j < m, finite
+``gossip_train``   ``models`` (own + m neighbours),     ``model`` (own, trained)            ``loss_j``, j < m, finite
+                   ``samples_j`` in the config
 ``evaluate``       ``models`` (1)                       –                                   ``accuracy`` in [0, 1]
+                                                                                             (+ finite ``val_loss``)
 =================  ===================================  ==================================  ===========================
 
 Task names, block names and the config and metric keys appear nowhere else as literals:
@@ -54,7 +56,8 @@ FEATURE_SEED_KEY = "feature_seed"  # random_projection: the seed every client dr
 PRETRAINED_WEIGHTS_KEY = "pretrained_weights"  # pretrained: the backbone's weights file on the client
 SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the losses are taken on (0: all)
 LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
-LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
+LAMBDA_KEY = "lambda"
+SAMPLES_KEY = "samples"  # gossip_train: samples_j, the training samples behind neighbour j's model  # train_select/select with directions: weight of the gradient similarity
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"
@@ -66,6 +69,7 @@ NUM_TEST = "num_test"
 TRAIN_LOSS = "train_loss"
 SELECTED = "selected"
 ACCURACY = "accuracy"
+VAL_LOSS = "val_loss"  # evaluate, where the client holds a validation split
 LOSS = "loss"  # per item of a block: loss_0, loss_1, ...
 SIMILARITY = "similarity"  # per item: similarity_0, ...
 
@@ -259,6 +263,14 @@ def in_unit_interval(metric: str) -> MetricCheck:
     return check
 
 
+def finite_if_present(metric: str) -> MetricCheck:
+    def check(metrics: Mapping[str, Scalar], sent: Sent) -> str | None:
+        value = metrics.get(metric)
+        return None if value is None or is_finite_number(value) else f"metric {metric!r} must be a finite number, got {value!r}"
+
+    return check
+
+
 def when_sent(block: str, check: MetricCheck) -> MetricCheck:
     """Apply ``check`` only when the instruction carried ``block``."""
     return lambda metrics, sent: check(metrics, sent) if block in sent.items else None
@@ -377,7 +389,7 @@ EVALUATE = Task(
     sends=(MODELS,),
     reply=(),
     reply_shapes=lambda sent, model: {},
-    metric_checks=(in_unit_interval(ACCURACY),),
+    metric_checks=(in_unit_interval(ACCURACY), finite_if_present(VAL_LOSS)),
 )
 
 TASKS: dict[str, Task] = {

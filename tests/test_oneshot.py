@@ -19,7 +19,7 @@ from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
 from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
 from fedcluster_flwr.schema import ConfigError
-from fedcluster_flwr.strategies.aggregation import average_layers
+from fedcluster_flwr.aggregation import average_layers
 from fedcluster_flwr.strategies.oneshot_hfl import HFLOptions, OracleHFL
 from test_strategies import SHAPES, client_manager, make_setup
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import DEFAULT_CONFIG
@@ -150,3 +151,29 @@ def test_oneshot_hfl_recovers_label_group_tasks_through_ray(tmp_path):
     assert summary["mean_client_accuracy"] > 0.8
     for name in ("relevance.npy", "similarity.png", "dendrogram.png"):
         assert (run_dir / name).is_file(), name
+
+
+@pytest.fixture(scope="module")
+def rotation_gossip_runs(tmp_path_factory):
+    """DAC and random gossip on digits, 15 clients upright and 5 rotated by 180 degrees."""
+    tmp_path = tmp_path_factory.mktemp("gossip")
+    settings = (
+        "rounds=12", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[15,5]",
+        "partition.val_fraction=0.1", "strategy.client_fraction=1.0", "strategy.num_neighbours=3",
+        "strategy.same_init=true", "client.optimizer=adam", "client.lr=0.003",
+    )
+    return {name: run(tmp_path, name, *settings, f"strategy.name={name}") for name in ("dac", "random_gossip")}
+
+
+def test_dac_beats_random_gossip_on_the_minority_cluster_through_ray(rotation_gossip_runs):
+    (dac, dac_dir), (random, _) = rotation_gossip_runs["dac"], rotation_gossip_runs["random_gossip"]
+    minority = "1"  # the 5 rotated clients
+    assert dac["per_true_cluster_accuracy"][minority] > random["per_true_cluster_accuracy"][minority] + 0.05
+    assert dac["purity"] == 1.0  # the similarity matrix's clusters are the rotations
+    communication = np.load(dac_dir / "communication.npy")
+    assert communication[15:, 15:].sum() > communication[15:, :15].sum()  # the rotated mostly sample each other
+    assert communication.trace() == 0 and communication.sum() == 12 * 20 * 3
+    rows = read_rounds(dac_dir)
+    assert "mean_best_val_accuracy" in rows[-1] and rows[-1]["tau"] == 30.0
+    for name in ("communication.png", "similarity.npy"):
+        assert (dac_dir / name).is_file(), name

@@ -25,7 +25,7 @@ from fedcluster_flwr.results import RunRecorder, load_checkpoint
 from fedcluster_flwr.strategies import FederationError, StrategySetup
 from fedcluster_flwr import protocol
 from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY, TRAIN_SELECT
-from fedcluster_flwr.strategies.aggregation import weighted_mean
+from fedcluster_flwr.aggregation import weighted_mean
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
 from fedcluster_flwr.strategies.flhc import FLHC, FLHCOptions

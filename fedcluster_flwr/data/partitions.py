@@ -37,6 +37,7 @@ class Partition:
     test_indices: tuple[np.ndarray, ...]
     true_clusters: np.ndarray
     transforms: tuple[ClientTransform, ...]
+    val_indices: tuple[np.ndarray, ...] = ()  # per client, where partition.val_fraction > 0
 
     @property
     def num_clients(self) -> int:
@@ -470,14 +471,23 @@ def make_partition(
     test_fraction: float,
     seed: int,
     writers: np.ndarray | None = None,
+    val_fraction: float = 0.0,
 ) -> Partition:
-    """Run partitioner ``name`` and split each client's samples into train and test."""
+    """Run partitioner ``name`` and split each client's samples into train and test (and, with
+    ``val_fraction``, a validation split out of the training samples, stratified by label)."""
     partitioner = PARTITIONERS[name]
     assert isinstance(options, partitioner.options), "options do not match the partitioner"
     rng = np.random.default_rng(seed)
     req = PartitionRequest(labels, num_classes, num_clients, samples_per_client, rng, writers)
     indices, true, transforms = partitioner.build(req, options)
     splits = [stratified_split(np.asarray(idx), labels, test_fraction, rng) for idx in indices]
+    val: list[np.ndarray] = []
+    if val_fraction > 0:
+        val_rng = np.random.default_rng([seed, 1])  # its own stream: train/test splits stay as without it
+        share = val_fraction / (1.0 - test_fraction)
+        held = [stratified_split(train, labels, share, val_rng) for train, _ in splits]
+        splits = [(train, test) for (train, _), (_, test) in zip(held, splits)]
+        val = [v for _, v in held]
     for client, (train, _) in enumerate(splits):
         if len(train) == 0:
             raise ConfigError("partition", f"client {client} got no training samples")
@@ -486,6 +496,7 @@ def make_partition(
         test_indices=tuple(test for _, test in splits),
         true_clusters=np.asarray(true, dtype=np.int64),
         transforms=tuple(transforms),
+        val_indices=tuple(val),
     )
 
 

@@ -7,6 +7,7 @@ the per-round metrics, summary and checkpoints; each other module is one algorit
 
 from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
 from .directory import FederationError
+from .dac import DAC, DACVar, OracleGossip, RandomGossip
 from .fedavg import FedAvg, LocalOnly, OracleClusters
 from .flhc import FLHC
 from .ifca import IFCA, GradLoss
@@ -14,7 +15,10 @@ from .oneshot_hfl import OneShotHFL, OracleHFL, RandomClusters
 
 STRATEGIES: dict[str, type[ClusteredStrategy]] = {
     cls.name: cls
-    for cls in (FedAvg, LocalOnly, OracleClusters, FLHC, IFCA, GradLoss, OneShotHFL, RandomClusters, OracleHFL)
+    for cls in (
+        FedAvg, LocalOnly, OracleClusters, FLHC, IFCA, GradLoss, OneShotHFL, RandomClusters, OracleHFL,
+        DAC, DACVar, RandomGossip, OracleGossip,
+    )
 }
 
 __all__ = ["STRATEGIES", "ClusteredStrategy", "FederationError", "Instruction", "Reply", "StrategySetup"]

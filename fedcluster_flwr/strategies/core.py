@@ -57,7 +57,7 @@ from .. import protocol
 from ..models import parameters_with_prefixes
 from ..protocol import EVALUATE, MODEL, MODELS, TRAIN, TRAIN_SELECT, ModelSpec, Sent, Task
 from ..results import RunRecorder
-from .aggregation import weighted_mean
+from ..aggregation import weighted_mean
 from .directory import ClientDirectory
 from .round_log import UNASSIGNED, RoundLog
 
@@ -363,6 +363,7 @@ class ClusteredStrategy(Strategy):
         server_round += self.round_offset
         accuracy: dict[int, float] = {}
         loss: dict[int, float] = {}
+        val_loss: dict[int, float] = {}
         evaluated = Sent({MODELS: 1}, {})
         for proxy, res in results:
             pid = self.directory.pid_of(proxy)
@@ -374,12 +375,14 @@ class ClusteredStrategy(Strategy):
             )
             if problem is None:
                 accuracy[pid], loss[pid] = float(res.metrics[protocol.ACCURACY]), float(res.loss)
+                if protocol.VAL_LOSS in res.metrics:
+                    val_loss[pid] = float(res.metrics[protocol.VAL_LOSS])
             else:
                 log(WARNING, "round %s: evaluation of client %s ignored: %s", server_round, pid, problem)
         eval_failures = len(failures) + len(results) - len(accuracy)
         # Partition-id order, not arrival order: means are then bit-identical across reruns.
         accuracy, loss = dict(sorted(accuracy.items())), dict(sorted(loss.items()))
-        row = self._record_round(server_round, accuracy, loss, eval_failures)
+        row = self._record_round(server_round, accuracy, loss, eval_failures, dict(sorted(val_loss.items())))
         mean_loss = float(np.mean(list(loss.values()))) if loss else None
         return mean_loss, {"mean_client_accuracy": row["mean_client_accuracy"]}
 
@@ -424,11 +427,16 @@ class ClusteredStrategy(Strategy):
         return instruction.task.problem_with_reply(arrays, res.metrics, sent, self.model_spec)
 
     def _record_round(
-        self, server_round: int, accuracy: dict[int, float], loss: dict[int, float], eval_failures: int
+        self,
+        server_round: int,
+        accuracy: dict[int, float],
+        loss: dict[int, float],
+        eval_failures: int,
+        val_loss: dict[int, float] | None = None,
     ) -> dict[str, Any]:
         row = self.log.metrics_row(
             server_round, self.phase(server_round), accuracy, loss, eval_failures,
-            self.assignment, self.directory.connected,
+            self.assignment, self.directory.connected, val_loss,
         )
         row.update(self.extra_round_metrics(server_round))
         recorder = self.setup.recorder

@@ -44,7 +44,7 @@ from ..models import build_model, parameter_names, parameters_with_prefixes
 from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ..results import plot_dendrogram, plot_similarity
 from ..schema import require
-from .aggregation import average_layers
+from ..aggregation import average_layers
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 
 

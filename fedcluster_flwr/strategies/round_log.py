@@ -71,6 +71,8 @@ class RoundLog:
         self.round = RoundCounters()
         self.totals = {key: 0 for key in TOTALS}
         self.latest_accuracy: dict[int, float] = {}
+        # Per client: (lowest validation loss so far, test accuracy of the model that had it).
+        self.best_validated: dict[int, tuple[float, float]] = {}
         self._started = time.perf_counter()
         self._seconds_before = 0.0  # wall time of the rounds before a resumed checkpoint
 
@@ -93,8 +95,13 @@ class RoundLog:
         eval_failures: int,
         assignment: np.ndarray,
         connected: Sequence[int],
+        val_loss: Mapping[int, float] | None = None,
     ) -> dict[str, Any]:
-        """The round's metrics; ``accuracy`` and ``loss`` by partition id, in partition-id order."""
+        """The round's metrics; ``accuracy`` and ``loss`` by partition id, in partition-id order.
+
+        Where clients report a validation loss, the row also holds the test accuracy of each
+        client's model with the lowest validation loss so far (model selection as in Zec et al.).
+        """
         target = self.target_accuracy
         values = np.asarray(list(accuracy.values()), dtype=float)
         cluster_names = {
@@ -105,13 +112,18 @@ class RoundLog:
         for key in self.totals:
             self.totals[key] += getattr(counters, key)
         self.latest_accuracy = dict(accuracy)
-        return {
+        for pid, value in (val_loss or {}).items():
+            if pid not in self.best_validated or value < self.best_validated[pid][0]:
+                self.best_validated[pid] = (value, accuracy[pid])
+        per_true = mean_by(accuracy, {p: str(int(self.true_clusters[p])) for p in accuracy})
+        row = {
             "round": server_round,
             "phase": phase,
             "mean_client_accuracy": float(values.mean()) if len(values) else float("nan"),
             "pct_clients_over_target": float(100 * (values >= target).mean()) if len(values) else float("nan"),
             "per_cluster_accuracy": mean_by(accuracy, cluster_names),
-            "per_true_cluster_accuracy": mean_by(accuracy, {p: str(int(self.true_clusters[p])) for p in accuracy}),
+            "per_true_cluster_accuracy": per_true,
+            "per_true_cluster_accuracy_std": float(np.std(list(per_true.values()))) if per_true else float("nan"),
             "num_clusters": len({int(assignment[p]) for p in assigned}),
             **cluster_scores(self.true_clusters[assigned], assignment[assigned]),
             "mean_test_loss": float(np.mean(list(loss.values()))) if loss else float("nan"),
@@ -126,6 +138,11 @@ class RoundLog:
             "bytes_eval": counters.bytes_eval,
             "seconds": time.perf_counter() - counters.started if counters.started else 0.0,
         }
+        if self.best_validated:
+            best = {p: acc for p, (_, acc) in sorted(self.best_validated.items())}
+            row["mean_best_val_accuracy"] = float(np.mean(list(best.values())))
+            row["per_true_cluster_best_val_accuracy"] = mean_by(best, {p: str(int(self.true_clusters[p])) for p in best})
+        return row
 
     def summary(self, server_round: int, strategy: str, assignment: np.ndarray) -> dict[str, Any]:
         rows = self.recorder.rows
@@ -147,6 +164,9 @@ class RoundLog:
             "rounds_to_target": reached[0] if reached else None,
             "per_cluster_accuracy": last.get("per_cluster_accuracy"),
             "per_true_cluster_accuracy": last.get("per_true_cluster_accuracy"),
+            "per_true_cluster_accuracy_std": last.get("per_true_cluster_accuracy_std"),
+            "mean_best_val_accuracy": last.get("mean_best_val_accuracy"),
+            "per_true_cluster_best_val_accuracy": last.get("per_true_cluster_best_val_accuracy"),
             "num_clusters": last.get("num_clusters"),
             "purity": last.get("purity"),
             "ari": last.get("ari"),
@@ -162,10 +182,12 @@ class RoundLog:
         return self._seconds_before + time.perf_counter() - self._started
 
     def state(self) -> dict[str, Any]:
-        return {"totals": self.totals, "wall_seconds": self.wall_seconds()}
+        best = {str(p): list(v) for p, v in self.best_validated.items()}
+        return {"totals": self.totals, "wall_seconds": self.wall_seconds(), "best_validated": best}
 
     def restore(self, state: Mapping[str, Any], completed_round: int) -> None:
         self.totals.update(state["totals"])
+        self.best_validated = {int(p): (v[0], v[1]) for p, v in state.get("best_validated", {}).items()}
         self._seconds_before = float(state["wall_seconds"])
         self.recorder.resume(completed_round)
 
