@@ -228,8 +228,13 @@ def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):
     strategy = strategy_of(GradLoss, tmp_path, rounds=2, client_fraction=1.0)
     manager = client_manager(len(GROUPS))
     play(strategy, manager, 1, chooser=lambda pid, k: 0)
+    before_round_2 = {k: [a.copy() for a in m] for k, m in strategy.models.items()}
     play(strategy, manager, 2, chooser=lambda pid, k: 1 if pid < 3 else 0)
-    assert strategy.setup.recorder.rows[-1]["identity_changes"] == 3
+    row = strategy.setup.recorder.rows[-1]
+    assert row["identity_changes"] == 3
+    expected = np.mean([np.ptp([np.linalg.norm(flat(m) - TARGETS[GROUPS[p]]) for m in before_round_2.values()])
+                        for p in range(12)])
+    assert row["mean_loss_spread"] == pytest.approx(expected, rel=1e-5) and row["mean_similarity_spread"] == 0.0
     models, state = load_checkpoint(tmp_path)
     resumed = strategy_of(GradLoss, tmp_path / "other", rounds=2, client_fraction=1.0)
     resumed.restore(models, state)

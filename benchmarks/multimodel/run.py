@@ -7,7 +7,8 @@
 Needs MNIST / Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Every method runs the same conf file with
 the same seeds (so the same partitions, initial models and client samples) through Flower's Ray
 simulation engine. A method is ``ifca``, ``gradloss-<lambda>`` (the conf's loss reduction, ``sum``
-as in the paper) or ``gradloss-<lambda>-<mean|sum>``, ``oracle`` or ``fedavg``. Writes
+as in the paper) or ``gradloss-<lambda>-<mean|sum>``, ``oracle`` or ``fedavg``; ``-reseed`` turns on
+``reseed_empty`` (Lin et al.'s §II-C fix) for ifca and gradloss. Writes
 ``<out>/results.md`` (mean ± std over seeds), ``<out>/purity.png`` and one run directory per
 (method, seed) under ``<out>/runs/``.
 """
@@ -39,16 +40,20 @@ SCALES: dict[str, dict[str, object]] = {
 
 
 def method_overrides(method: str) -> dict[str, object]:
-    name, *rest = method.split("-")
+    """``ifca[-reseed]``, ``gradloss-<lambda>[-mean|-sum][-reseed]``, ``oracle`` or ``fedavg``."""
+    name, *options = method.split("-")
     items: dict[str, object] = {"strategy.name": name}
-    if name == "gradloss":
-        if not rest:
-            raise SystemExit(f"error: {method}: give gradloss's lambda, e.g. gradloss-0.2")
-        items["strategy.lambda"] = float(rest[0])
-        if len(rest) > 1:
-            items["strategy.loss_reduction"] = rest[1]
-    elif rest:
-        raise SystemExit(f"error: {method}: only gradloss takes parameters")
+    for option in options:
+        if option == "reseed" and name in ("ifca", "gradloss"):
+            items["strategy.reseed_empty"] = True
+        elif option in ("mean", "sum") and name == "gradloss":
+            items["strategy.loss_reduction"] = option
+        elif name == "gradloss" and option.replace(".", "", 1).isdigit():
+            items["strategy.lambda"] = float(option)
+        else:
+            raise SystemExit(f"error: {method}: unknown option {option!r} (see --help)")
+    if name == "gradloss" and "strategy.lambda" not in items:
+        raise SystemExit(f"error: {method}: give gradloss's lambda, e.g. gradloss-0.2")
     return items
 
 

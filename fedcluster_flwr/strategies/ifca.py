@@ -92,6 +92,19 @@ class GradLossOptions(IFCAOptions):
         return super().selection_config() | {protocol.LAMBDA_KEY: self.lambda_}
 
 
+def score_spreads(replies: list[Reply], num_models: int) -> dict[str, float]:
+    """Mean over clients of max_k − min_k of the losses L_k and (gradloss) the similarities S_k
+    they reported: how much each term of λ·S − (1−λ)·L can move a client's choice."""
+    spreads: dict[str, float] = {}
+    for metric, key in ((protocol.LOSS, "mean_loss_spread"), (protocol.SIMILARITY, "mean_similarity_spread")):
+        values = [[float(r.metrics[protocol.indexed(metric, k)]) for k in range(num_models)]
+                  for r in replies if protocol.indexed(metric, 0) in r.metrics]
+        finite = [np.ptp(v) for v in values if np.all(np.isfinite(v))]
+        if finite:
+            spreads[key] = float(np.mean(finite))
+    return spreads
+
+
 class IFCA(ClusteredStrategy):
     """K cluster models; sampled clients pick theirs by training loss, train it, FedAvg per identity."""
 
@@ -110,6 +123,7 @@ class IFCA(ClusteredStrategy):
         self.to_reseed: list[int] = []
         self.reseeded: dict[int, int] = {}  # cluster -> client, this round
         self.identity_changes = 0
+        self.spreads: dict[str, float] = {}  # this round's mean spread of the clients' scores
 
     # ---- the round -----------------------------------------------------------------------------
 
@@ -154,6 +168,7 @@ class IFCA(ClusteredStrategy):
         self.identity_changes = sum(
             1 for r in replies if previous[r.pid] != UNASSIGNED and previous[r.pid] != self.assignment[r.pid]
         )
+        self.spreads = score_spreads([r for r in replies if r.task is not TRAIN], len(self.models))
         before = dict(self.models)
         self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
         if self.sends_directions:
@@ -186,6 +201,7 @@ class IFCA(ClusteredStrategy):
             "identity_changes": self.identity_changes,
             "identified_clients": int(len(assigned)),
             "reseeded": {str(k): p for k, p in self.reseeded.items()},
+            **self.spreads,
         }
 
     def extra_summary(self) -> dict[str, Any]:
