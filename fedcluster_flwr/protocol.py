@@ -56,8 +56,8 @@ FEATURE_SEED_KEY = "feature_seed"  # random_projection: the seed every client dr
 PRETRAINED_WEIGHTS_KEY = "pretrained_weights"  # pretrained: the backbone's weights file on the client
 SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the losses are taken on (0: all)
 LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
-LAMBDA_KEY = "lambda"
-SAMPLES_KEY = "samples"  # gossip_train: samples_j, the training samples behind neighbour j's model  # train_select/select with directions: weight of the gradient similarity
+LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
+SAMPLES_KEY = "samples"  # gossip_train: samples_j, the training samples behind neighbour j's model
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"
@@ -83,6 +83,7 @@ RELEVANCE = "relevance"  # replied: one row r(i, .) of the relevance matrix
 
 # Beyond this magnitude a replied value would overflow float32 sums and distances.
 MAX_ABS_VALUE = 1e6
+BOUND_TOLERANCE = 1e-5  # float32 round-off allowed past a quantity's bounds (e.g. r(i, i) = 1)
 
 
 def indexed(metric: str, k: int) -> str:
@@ -154,7 +155,10 @@ def pack(blocks: Blocks) -> tuple[NDArrays, str]:
     return [array for items in blocks.values() for item in items for array in item], layout_of(blocks)
 
 
-def pack_parameters(blocks: Blocks, cache: dict[int, list[bytes]] | None = None) -> tuple[Parameters, str]:
+SerializationCache = dict[int, tuple[NDArrays, list[bytes]]]
+
+
+def pack_parameters(blocks: Blocks, cache: SerializationCache | None = None) -> tuple[Parameters, str]:
     """Like :func:`pack`, serialized for Flower.
 
     ``cache`` (keyed by the identity of an item's list, so valid while the items live) lets
@@ -165,8 +169,8 @@ def pack_parameters(blocks: Blocks, cache: dict[int, list[bytes]] | None = None)
     for items in blocks.values():
         for item in items:
             if id(item) not in cache:
-                cache[id(item)] = [ndarray_to_bytes(array) for array in item]
-            tensors += cache[id(item)]
+                cache[id(item)] = (item, [ndarray_to_bytes(array) for array in item])  # the item too: its id stays its own
+            tensors += cache[id(item)][1]
     return Parameters(tensors=tensors, tensor_type="numpy.ndarray"), layout_of(blocks)
 
 
@@ -199,6 +203,8 @@ class ModelSpec:
 class ArraySpec:
     shape: tuple[int, ...]
     kind: str = "f"  # numpy dtype kind
+    low: float | None = None  # bounds on the values, where the quantity has them
+    high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -237,7 +243,7 @@ def index_into(metric: str, block: str) -> MetricCheck:
     return check
 
 
-def one_per_item(metric: str, block: str, skip: int = 0, finite: bool = False) -> MetricCheck:
+def one_per_item(metric: str, block: str, skip: int = 0, finite: bool = False, minimum: float | None = None) -> MetricCheck:
     """One number ``metric_k`` per item of the sent ``block`` (after its first ``skip`` items)."""
 
     def check(metrics: Mapping[str, Scalar], sent: Sent) -> str | None:
@@ -245,8 +251,11 @@ def one_per_item(metric: str, block: str, skip: int = 0, finite: bool = False) -
         for k in range(count):
             value = metrics.get(indexed(metric, k))
             valid = is_finite_number(value) if finite else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if valid and minimum is not None:
+                valid = value >= minimum
             if not valid:
                 what = "a finite number" if finite else "a number"
+                what += f" >= {minimum:g}" if minimum is not None else ""
                 return f"metric {indexed(metric, k)!r} must be {what} (one per {block} item, {count} in all), got {value!r}"
         return None
 
@@ -319,7 +328,16 @@ class Task:
             return f"task {self.name}: non-finite values (NaN/inf)"
         if any(a.size and np.abs(a).max() > MAX_ABS_VALUE for a in arrays):
             return f"task {self.name}: values beyond +-{MAX_ABS_VALUE:g}"
+        for name, array, spec in zip(self._array_names(sent, model), arrays, expected):
+            if array.size and spec.low is not None and array.min() < spec.low - BOUND_TOLERANCE:
+                return f"task {self.name}: {name} values must be >= {spec.low:g}, got {array.min():g}"
+            if array.size and spec.high is not None and array.max() > spec.high + BOUND_TOLERANCE:
+                return f"task {self.name}: {name} values must be <= {spec.high:g}, got {array.max():g}"
         return None
+
+    def _array_names(self, sent: Sent, model: ModelSpec) -> list[str]:
+        shapes = self.reply_shapes(sent, model)
+        return [name for name in self.reply for _ in shapes[name]]
 
     def unpack_reply(self, arrays: NDArrays, sent: Sent, model: ModelSpec) -> dict[str, NDArrays]:
         """Named blocks of a reply that passed :meth:`problem_with_reply` (server side)."""
@@ -337,11 +355,11 @@ def _one_model(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
 
 def _eigen_shapes(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
     k, d = int(sent.config[NUM_EIGENVECTORS_KEY]), int(sent.config[FEATURE_DIM_KEY])
-    return {EIGENVECTORS: [ArraySpec((k, d))], EIGENVALUES: [ArraySpec((k,))]}
+    return {EIGENVECTORS: [ArraySpec((k, d))], EIGENVALUES: [ArraySpec((k,), low=0.0)]}
 
 
 def _relevance_shape(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
-    return {RELEVANCE: [ArraySpec((sent.items[EIGENVECTORS],))]}
+    return {RELEVANCE: [ArraySpec((sent.items[EIGENVECTORS],), low=0.0, high=1.0)]}
 
 
 TRAIN = Task("train", sends=(MODELS,), reply=(MODEL,), reply_shapes=_one_model)
@@ -382,7 +400,7 @@ GOSSIP_TRAIN = Task(
     sends=(MODELS,),
     reply=(MODEL,),
     reply_shapes=_one_model,
-    metric_checks=(one_per_item(LOSS, MODELS, skip=1, finite=True),),
+    metric_checks=(one_per_item(LOSS, MODELS, skip=1, finite=True, minimum=0.0),),
 )
 EVALUATE = Task(
     "evaluate",

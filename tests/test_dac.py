@@ -55,6 +55,7 @@ def test_neighbours_are_never_the_client_itself_respect_m_and_are_seeded(tmp_pat
     picks = []
     for folder in ("a", "b"):
         strategy = gossip(RandomGossip, tmp_path / folder, GossipOptions(num_neighbours=3))
+        strategy.directory.online = list(range(N))
         picks.append([strategy.neighbours(1, pid) for pid in range(N) for _ in range(20)])
     assert picks[0] == picks[1]
     for k, chosen in enumerate(picks[0]):
@@ -64,6 +65,7 @@ def test_neighbours_are_never_the_client_itself_respect_m_and_are_seeded(tmp_pat
 
 def test_a_very_large_tau_picks_the_most_similar_clients(tmp_path):
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=2, tau=1e4, two_hop=False))
+    strategy.directory.online = list(range(N))
     strategy.similarity[0] = [np.nan, 0.1, 0.9, 0.2, 0.8, 0.3, 0.1, 0.1]
     strategy.met[0] = ~np.isnan(strategy.similarity[0])
     strategy._round_similarity = strategy.effective_similarity()
@@ -117,8 +119,20 @@ def test_dac_samples_the_own_cluster_once_similarities_are_known(tmp_path):
     assert strategy.assignment.tolist() in (TRUE.tolist(), (1 - TRUE).tolist())  # implied clusters
 
 
+def test_a_client_that_has_not_joined_is_never_a_neighbour(tmp_path):
+    strategy = gossip(RandomGossip, tmp_path, GossipOptions(num_neighbours=3), join_round={5: 3})
+    manager = client_manager(N)
+    for rnd in (1, 2):
+        received = play(strategy, manager, rnd)
+        assert 5 not in received and all(5 not in chosen for _, _, chosen, _ in received.values())
+    received = play(strategy, manager, 3)
+    assert 5 in received
+    assert any(5 in chosen for rnd in range(4, 9) for _, _, chosen, _ in play(strategy, manager, rnd).values())
+
+
 def test_oracle_gossip_stays_inside_the_true_cluster(tmp_path):
     strategy = gossip(OracleGossip, tmp_path, GossipOptions(num_neighbours=3))
+    strategy.directory.online = list(range(N))
     for pid in range(N):
         chosen = strategy.neighbours(1, pid)
         assert all(TRUE[q] == TRUE[pid] for q in chosen) and pid not in chosen

@@ -65,6 +65,7 @@ def test_serialized_parameters_decode_to_the_same_blocks_and_share_repeated_item
     first, layout = protocol.pack_parameters({MODELS: [shared, model(1)]}, cache)
     second, _ = protocol.pack_parameters({MODELS: [shared]}, cache)
     assert second.tensors[0] is first.tensors[0]  # the shared model was serialized once
+    assert cache[id(shared)][0] is shared  # and is kept alive: its id cannot be reused by another model
     unpacked = protocol.unpack(protocol.parameters_to_arrays(first), layout)
     np.testing.assert_array_equal(unpacked[MODELS][0][0], shared[0])
 
@@ -119,13 +120,17 @@ CASES = {
     GRAM_EIGEN: (EIGEN_SENT, [np.zeros((3, 5), np.float32), np.ones(3, np.float32)], {}, [
         ("k too small", [np.zeros((2, 5), np.float32), np.ones(2, np.float32)], {}, r"\(3, 5\), \(3,\)"),
         ("no eigenvalues", [np.zeros((3, 5), np.float32)], {}, "expected arrays of shapes"),
+        ("a negative eigenvalue", [np.zeros((3, 5), np.float32), -np.ones(3, np.float32)], {}, "eigenvalues values must be >= 0"),
     ]),
     RELEVANCE_ROW: (Sent({EIGENVECTORS: 4}, {}), [np.ones(4, np.float32)], {}, [
         ("a row of the wrong length", [np.ones(3, np.float32)], {}, r"\[\(4,\)\], got \[\(3,\)\]"),
+        ("a relevance above 1", [np.full(4, 5.0, np.float32)], {}, "relevance values must be <= 1, got 5"),
+        ("a negative relevance", [np.full(4, -3.0, np.float32)], {}, "relevance values must be >= 0, got -3"),
     ]),
     GOSSIP_TRAIN: (Sent({MODELS: 3}, {}), model(), {"loss_0": 0.3, "loss_1": 0.2}, [
         ("one loss per neighbour", model(), {"loss_0": 0.3}, "'loss_1' must be a finite number .*2 in all"),
         ("infinite loss", model(), {"loss_0": 0.3, "loss_1": float("inf")}, "'loss_1' must be a finite number"),
+        ("negative loss", model(), {"loss_0": -0.3, "loss_1": 0.2}, "'loss_0' must be a finite number >= 0"),
     ]),
     EVALUATE: (Sent({MODELS: 1}, {}), [], {ACCURACY: 0.75}, [
         ("accuracy above 1", [], {ACCURACY: 1.5}, r"'accuracy' must be a number in \[0, 1\]"),

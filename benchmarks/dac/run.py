@@ -55,12 +55,12 @@ def mean_std(values: list[float]) -> str:
     return "–" if not values else f"{np.mean(values):.3f} ± {np.std(values):.3f}"
 
 
-def run_one(conf: Path, scale: str, method: str, seed: int, out: Path) -> dict:
+def run_one(conf: Path, scale: str, method: str, seed: int, out: Path, rounds: int | None = None) -> dict:
     run_dir = out / "runs" / f"{method}_seed{seed}"
     summary_file = run_dir / "summary.json"
     if summary_file.is_file() and json.loads(summary_file.read_text()).get("finished"):
         return json.loads(summary_file.read_text())  # finished earlier: reuse (delete the folder to rerun)
-    items = SCALES[scale] | METHODS[method] | {"seed": seed}
+    items = SCALES[scale] | METHODS[method] | {"seed": seed} | ({"rounds": rounds} if rounds else {})
     config, _ = load_config(conf, list(items.items()))
     started = time.perf_counter()
     summary = run_experiment(config, run_dir, progress=False)
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--conf", default="dac_fmnist_rot_unequal.yaml", help="a file in conf/")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rounds", type=int, default=None, help="override the scale's number of rounds")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     conf = ROOT / "conf" / args.conf
@@ -85,9 +86,9 @@ def main() -> None:
     out = args.out or Path(__file__).resolve().parent / "results" / f"{args.scale}_{conf.stem}"
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    summaries = {m: [run_one(conf, args.scale, m, seed, out) for seed in seeds] for m in methods}
+    summaries = {m: [run_one(conf, args.scale, m, seed, out, args.rounds) for seed in seeds] for m in methods}
 
-    config, _ = load_config(conf, list(SCALES[args.scale].items()))
+    config, _ = load_config(conf, list((SCALES[args.scale] | ({"rounds": args.rounds} if args.rounds else {})).items()))
     options = config.partition.options
     clusters = [str(k) for k in range(len(options.angles))]
     names = [f"{int(a)}° ({n})" for a, n in zip(options.angles, options.cluster_sizes)]

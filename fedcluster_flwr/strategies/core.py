@@ -139,8 +139,9 @@ class Reply:
         return self.task.unpack_reply(protocol.parameters_to_arrays(self.parameters), self.sent, self.model_spec)
 
     def model(self) -> NDArrays:
-        """The model this reply carries (tasks that reply with one)."""
-        return self.blocks()[MODEL]
+        """The model this reply carries (tasks that reply with one), in the model's own dtypes
+        (a float64 reply is stored as float32 like every other model)."""
+        return [a.astype(d, copy=False) for a, d in zip(self.blocks()[MODEL], self.model_spec.dtypes)]
 
 
 def parameters_nbytes(parameters: Parameters) -> int:
@@ -301,7 +302,7 @@ class ClusteredStrategy(Strategy):
         self.log.start_round()
         online = self.directory.online_clients(server_round, client_manager)
         self._sent = {}
-        cache: dict[int, list[bytes]] = {}
+        cache: protocol.SerializationCache = {}
         messages = []
         for instruction in self.fit_instructions(server_round, online):
             if instruction.pid in self._sent:
@@ -345,7 +346,7 @@ class ClusteredStrategy(Strategy):
         if not online:
             self._record_round(server_round, {}, {}, eval_failures=0)
             return []
-        cache: dict[int, list[bytes]] = {}
+        cache: protocol.SerializationCache = {}
         messages = []
         for pid in online:
             params, config = self._encode(Instruction(pid, EVALUATE, {MODELS: [self.evaluation_model(pid)]}),
@@ -393,7 +394,7 @@ class ClusteredStrategy(Strategy):
     # ---- internals -------------------------------------------------------------------------------
 
     def _encode(
-        self, instruction: Instruction, server_round: int, cache: dict[int, list[bytes]]
+        self, instruction: Instruction, server_round: int, cache: protocol.SerializationCache
     ) -> tuple[Parameters, dict[str, Scalar]]:
         params, layout = protocol.pack_parameters(instruction.blocks, cache)
         return params, protocol.instruction_config(instruction.task, server_round, layout, instruction.config)

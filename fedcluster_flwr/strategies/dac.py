@@ -49,6 +49,9 @@ from ..schema import require
 from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
 
 
+MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
+
+
 @dataclass(frozen=True)
 class GossipOptions:
     num_neighbours: int = 5
@@ -126,13 +129,16 @@ class Gossip(ClusteredStrategy):
         return np.zeros(len(candidates))
 
     def neighbours(self, server_round: int, pid: int) -> list[int]:
-        """m neighbours of ``pid`` sampled without replacement, p ∝ exp(:meth:`neighbour_scores`).
+        """m online neighbours of ``pid`` sampled without replacement, p ∝ exp(:meth:`neighbour_scores`).
+
+        Only online clients are candidates: a client that has not joined yet holds an untrained
+        model that would dilute the merge.
 
         Sequential sampling without replacement is the top m of score + Gumbel noise
         (Plackett-Luce), computed in log space: with a large τ the softmax weights of all but
         the best candidates underflow to 0, yet the m most similar are still drawn in turn.
         """
-        candidates = np.array([p for p in range(self.setup.num_clients) if p != pid])
+        candidates = np.array([p for p in self.online if p != pid], dtype=np.int64)
         scores = self.neighbour_scores(server_round, pid, candidates)
         allowed = np.isfinite(scores)
         count = min(self.options.num_neighbours, int(allowed.sum()))
@@ -157,8 +163,8 @@ class Gossip(ClusteredStrategy):
             i = reply.pid
             self.client_models[i] = reply.model()
             for j, k in enumerate(reply.instruction.clusters):
-                loss = float(reply.metrics[protocol.indexed(protocol.LOSS, j)])
-                self.similarity[i, k] = 1.0 / max(loss, 1e-12)
+                loss = float(reply.metrics[protocol.indexed(protocol.LOSS, j)])  # >= 0 by the task's schema
+                self.similarity[i, k] = 1.0 / max(loss, MIN_LOSS)
                 self.met[i, k] = True
                 self.communication[i, k] += 1
 

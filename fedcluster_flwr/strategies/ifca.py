@@ -134,6 +134,8 @@ class IFCA(ClusteredStrategy):
         sampled = self.sample(online, self.options.client_fraction)
         if server_round <= self.options.warmup_rounds:
             return [Instruction(p, TRAIN, {MODELS: [self.models[0]]}, clusters=(0,)) for p in sampled]
+        if len(self.models) < self.options.num_clusters:  # the first round after the warm-up
+            self._spawn_from_warmup()
         givers = self.rng.permutation(sampled)[: len(self.to_reseed)].tolist()
         self.reseeded = {cluster: int(pid) for cluster, pid in zip(self.to_reseed, givers)}
         forced = {pid: cluster for cluster, pid in self.reseeded.items()}
@@ -178,8 +180,6 @@ class IFCA(ClusteredStrategy):
 
     def after_round(self, server_round: int) -> None:
         opts = self.options
-        if server_round == opts.warmup_rounds:
-            self._spawn_from_warmup()
         if server_round > opts.warmup_rounds:
             held = set(self.assignment[self.assignment != UNASSIGNED].tolist())
             empty = [k for k in sorted(self.models) if k not in held]

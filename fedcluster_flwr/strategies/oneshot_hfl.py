@@ -48,6 +48,10 @@ from ..aggregation import average_layers
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 
 
+EIGEN_PREFIX = "eigen"  # checkpoint names of the one-shot phase in progress: eigen<pid>, row<pid>
+ROW_PREFIX = "row"
+
+
 @dataclass(frozen=True)
 class HFLOptions:
     """What every hierarchical variant shares: LPS sampling and the GPS's shared layers."""
@@ -113,6 +117,7 @@ class OneShotOptions(HFLOptions):
 
     def check_experiment(self, config: Any) -> None:
         super().check_experiment(config)
+        require(config.rounds > 2, "rounds", f"oneshot_hfl spends rounds 1-2 on clustering; give more than 2, got {config.rounds}")
         dim = feature_dim(self.features, config.input_shape, self.feature_dim)
         require(self.num_eigenvectors <= dim, "strategy.num_eigenvectors",
                 f"cannot exceed the {dim} features of {self.features}")
@@ -286,22 +291,28 @@ class OneShotHFL(HierarchicalFL):
     def absorb_clustering(self, server_round: int, replies: list[Reply]) -> None:
         self.oneshot_bytes["up"] += self.log.round.bytes_up
         self.oneshot_bytes["down"] += self.log.round.bytes_down
+        needed = max(2, self.options.num_clusters or 2)
         if not self.eigenpairs:
             for reply in replies:
                 blocks = reply.blocks()
                 self.eigenpairs[reply.pid] = [blocks[EIGENVECTORS][0], blocks[EIGENVALUES][0]]
-            if len(self.eigenpairs) < 2:
-                log(WARNING, "oneshot_hfl round %s: %d eigen-summaries; asking again next round",
-                    server_round, len(self.eigenpairs))
+            if len(self.eigenpairs) < needed:
+                log(WARNING, "oneshot_hfl round %s: %d eigen-summaries, %d needed; asking again next round",
+                    server_round, len(self.eigenpairs), needed)
                 self.eigenpairs = {}
             return
         summarised = sorted(self.eigenpairs)
         self.rows.update({r.pid: r.blocks()[RELEVANCE][0] for r in replies})
         responders = [p for p in summarised if p in self.rows]
-        needed = max(2, self.options.num_clusters or 2)
         if len(responders) < needed:
-            log(WARNING, "oneshot_hfl round %s: %d relevance rows, %d needed; asking again next round",
-                server_round, len(responders), needed)
+            reachable = [p for p in summarised if p in self.online or p in self.rows]
+            if len(reachable) < needed:  # the summarised clients alone can never make it: start over
+                log(WARNING, "oneshot_hfl round %s: %d relevance rows, %d needed, too few summarised clients "
+                    "online; the one-shot phase starts over next round", server_round, len(responders), needed)
+                self.eigenpairs, self.rows = {}, {}
+            else:
+                log(WARNING, "oneshot_hfl round %s: %d relevance rows, %d needed; asking again next round",
+                    server_round, len(responders), needed)
             return
         columns = [summarised.index(p) for p in responders]
         self.relevance = relevance_matrix(np.stack([self.rows[p][columns] for p in responders]))
@@ -344,16 +355,31 @@ class OneShotHFL(HierarchicalFL):
         return super().extra_state() | {
             "clustered_pids": self.clustered_pids, "clustering_round": self.clustering_round,
             "oneshot_bytes": self.oneshot_bytes,
+            "relevance": None if self.relevance is None else self.relevance.tolist(),
+            "linkage": None if self.hac is None else self.hac.linkage.tolist(),
         }
+
+    def extra_models(self) -> dict[str, NDArrays]:
+        """The one-shot phase in progress: eigen-summaries and relevance rows received so far."""
+        if self.clustered:
+            return {}
+        return ({f"{EIGEN_PREFIX}{p}": pair for p, pair in self.eigenpairs.items()}
+                | {f"{ROW_PREFIX}{p}": [row] for p, row in self.rows.items()})
 
     def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
         super().restore_extra(models, state)
         self.clustered_pids = list(state["clustered_pids"])
         self.clustering_round = state["clustering_round"]
         self.oneshot_bytes = dict(state["oneshot_bytes"])
-        relevance_file = self.setup.recorder.run_dir / "relevance.npy"
-        if relevance_file.is_file():
-            self.relevance = np.load(relevance_file)
+        if state["relevance"] is not None:
+            self.relevance = np.asarray(state["relevance"])
+        if state["linkage"] is not None:
+            self.hac = HacResult(self.assignment[self.clustered_pids].copy(), np.asarray(state["linkage"]), np.zeros(0))
+        for name, arrays in models.items():
+            if name.startswith(EIGEN_PREFIX) and (pid := name.removeprefix(EIGEN_PREFIX)).isdigit():
+                self.eigenpairs[int(pid)] = list(arrays)
+            elif name.startswith(ROW_PREFIX) and (pid := name.removeprefix(ROW_PREFIX)).isdigit():
+                self.rows[int(pid)] = arrays[0]
 
     def write_artifacts(self) -> None:
         """``relevance.npy`` (R over ``clustered_clients``), ``similarity.png`` (R ordered by
