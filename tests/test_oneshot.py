@@ -229,3 +229,75 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     for i in conv:  # the GPS made the conv layers identical across the two LPS models
         np.testing.assert_array_equal(strategy.models[0][i], strategy.models[1][i])
     assert not np.array_equal(strategy.models[0][-1], strategy.models[1][-1])  # the classifier stays per LPS
+
+
+# ---- the one-shot phase with synthetic clients: failures, restarts, checkpoints --------------------
+
+
+def oneshot_strategy(tmp_path, num_clients=6, **options):
+    from fedcluster_flwr.strategies.oneshot_hfl import OneShotHFL, OneShotOptions
+
+    opts = dict(num_clusters=2, num_eigenvectors=2, features="identity") | options
+    setup = make_setup(tmp_path, num_clients, true=np.arange(num_clients) % 2, rounds=6, checkpoint_every=1,
+                       input_shape=(1, 2, 2), parameter_names=["w", "b"])
+    return OneShotHFL(OneShotOptions(**opts), setup)
+
+
+def summary_reply(pid):
+    rng = np.random.default_rng(pid % 2)
+    x = rng.normal(size=(50, 4)) * ([3, 1, 0.3, 0.1] if pid % 2 else [0.1, 0.3, 1, 3])
+    gram, (vectors, values) = summary_of(x, 2)
+    arrays = protocol.GRAM_EIGEN.pack_reply({protocol.EIGENVECTORS: [vectors.astype(np.float32)],
+                                             protocol.EIGENVALUES: [values.astype(np.float32)]})
+    return gram, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 50, {})
+
+
+def one_shot_round(strategy, manager, rnd, fail=frozenset()):
+    results, grams = [], {}
+    for proxy, ins in strategy.configure_fit(rnd, None, manager):
+        if proxy.pid in fail:
+            continue
+        gram, res = summary_reply(proxy.pid)
+        if ins.config[TASK_KEY] == protocol.RELEVANCE_ROW.name:
+            blocks = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
+            row = relevance_row(gram, [(v, lam) for v, lam in blocks[protocol.EIGENVECTORS]]).astype(np.float32)
+            res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([row]), 50, {})
+        results.append((proxy, res))
+    strategy.aggregate_fit(rnd, results, [])
+    evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: 0.5}))
+             for p, _ in strategy.configure_evaluate(rnd, None, manager)]
+    strategy.aggregate_evaluate(rnd, evals, [])
+
+
+def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer(tmp_path):
+    strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
+    one_shot_round(strategy, manager, 1, fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
+    assert strategy.eigenpairs == {} and strategy.phase(1) == "gram_eigen"
+    one_shot_round(strategy, manager, 2)
+    assert sorted(strategy.eigenpairs) == list(range(6))
+    one_shot_round(strategy, manager, 3)
+    assert strategy.clustered and strategy.clustering_round == 3
+    assert strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
+    rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["gram_eigen", "gram_eigen", "relevance"]
+
+
+def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
+    from fedcluster_flwr.results import load_checkpoint
+
+    strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
+    one_shot_round(strategy, manager, 1)
+    models, state = load_checkpoint(tmp_path)
+    resumed = oneshot_strategy(tmp_path / "other")
+    resumed.restore(models, state)
+    assert sorted(resumed.eigenpairs) == list(range(6)) and not resumed.clustered
+    for pid in range(6):
+        for restored, original in zip(resumed.eigenpairs[pid], strategy.eigenpairs[pid], strict=True):
+            np.testing.assert_array_equal(restored, original)
+    one_shot_round(resumed, manager, 1)  # Flower's round 1 of the rest is round 2: relevance
+    assert resumed.clustered and resumed.clustering_round == 2
+    models, state = load_checkpoint(tmp_path / "other")
+    again = oneshot_strategy(tmp_path / "third")
+    again.restore(models, state)
+    assert again.clustered and again.hac is not None and len(again.hac.linkage) == 5
+    np.testing.assert_allclose(again.relevance, resumed.relevance)
