@@ -21,7 +21,7 @@ from fedcluster_flwr.results import load_checkpoint
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.ifca import IFCA, GradLoss, GradLossOptions, IFCAOptions
 from fedcluster_flwr.training import get_weights, selection_score_inputs
-from test_strategies import DIM, SHAPES, client_manager, flat, make_setup, select_metrics, unflatten
+from test_strategies import DIM, client_manager, flat, make_setup, select_metrics, unflatten
 
 # ---- the client's rules, on real data ---------------------------------------------------------
 

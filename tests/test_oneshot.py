@@ -253,7 +253,7 @@ def summary_reply(pid):
 
 
 def one_shot_round(strategy, manager, rnd, fail=frozenset()):
-    results, grams = [], {}
+    results = []
     for proxy, ins in strategy.configure_fit(rnd, None, manager):
         if proxy.pid in fail:
             continue
