@@ -51,7 +51,6 @@ def run_experiment(
     from tqdm import tqdm
 
     from .client_app import make_client_fn
-    from .experiment import experiment_data
     from .server_app import make_server_app
 
     preflight(config, run_dir, resuming=resume_from > 0)

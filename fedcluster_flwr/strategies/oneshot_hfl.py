@@ -39,7 +39,7 @@ from flwr.common import NDArrays, Scalar, log
 
 from .. import protocol
 from ..clustering import HacResult, cluster_by_relevance, relevance_matrix, within_and_across
-from ..features import FEATURES, check_weights_file, feature_dim
+from ..features import check_weights_file, feature_dim
 from ..models import build_model, parameter_names, parameters_with_prefixes
 from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ..results import plot_dendrogram, plot_similarity
