@@ -16,15 +16,17 @@ directories under ``<out>/runs/``.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.cli import run_experiment
 from fedcluster_flwr.config import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import mean_std, run_or_reuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS: dict[str, dict[str, object]] = {
@@ -50,22 +52,10 @@ SCALES: dict[str, dict[str, object]] = {
 }
 
 
-def mean_std(values: list[float]) -> str:
-    values = [v for v in values if v is not None]
-    return "–" if not values else f"{np.mean(values):.3f} ± {np.std(values):.3f}"
-
-
 def run_one(conf: Path, scale: str, method: str, seed: int, out: Path, rounds: int | None = None) -> dict:
-    run_dir = out / "runs" / f"{method}_seed{seed}"
-    summary_file = run_dir / "summary.json"
-    if summary_file.is_file() and json.loads(summary_file.read_text()).get("finished"):
-        return json.loads(summary_file.read_text())  # finished earlier: reuse (delete the folder to rerun)
     items = SCALES[scale] | METHODS[method] | {"seed": seed} | ({"rounds": rounds} if rounds else {})
     config, _ = load_config(conf, list(items.items()))
-    started = time.perf_counter()
-    summary = run_experiment(config, run_dir, progress=False)
-    print(f"{method} seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
-    return summary
+    return run_or_reuse(config, out / "runs" / f"{method}_seed{seed}")
 
 
 def main() -> None:

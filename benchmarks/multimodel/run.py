@@ -16,15 +16,17 @@ as in the paper) or ``gradloss-<lambda>-<mean|sum>``, ``oracle`` or ``fedavg``; 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.cli import run_experiment
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.results import read_rounds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import mean_std, run_or_reuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_METHODS = "ifca,gradloss-0.1,gradloss-0.2,gradloss-0.5,gradloss-0.2-mean,oracle,fedavg"
@@ -65,24 +67,11 @@ def value_at(rows: list[dict], key: str, round_number: int) -> float | None:
     return next((r.get(key) for r in rows if r["round"] == round_number), None)
 
 
-def mean_std(values: list[float | None], digits: int = 3) -> str:
-    """``mean ± std`` over the seeds that have a value, with ``(k/n)`` when some have none."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return f"– (0/{len(values)})"
-    text = f"{np.mean(present):.{digits}f} ± {np.std(present):.{digits}f}"
-    return text if len(present) == len(values) else f"{text} ({len(present)}/{len(values)})"
-
-
 def run_one(conf: Path, scale: str, method: str, seed: int, out: Path) -> list[dict]:
-    run_dir = out / "runs" / f"{method}_seed{seed}"
-    if (run_dir / "summary.json").is_file() and json.loads((run_dir / "summary.json").read_text()).get("finished"):
-        return read_rounds(run_dir)  # finished earlier: reuse (delete the folder to rerun)
     items = SCALES[scale] | method_overrides(method) | {"seed": seed}
     config, _ = load_config(conf, list(items.items()))
-    started = time.perf_counter()
-    run_experiment(config, run_dir, progress=False)
-    print(f"{method} seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
+    run_dir = out / "runs" / f"{method}_seed{seed}"
+    run_or_reuse(config, run_dir)
     return read_rounds(run_dir)
 
 

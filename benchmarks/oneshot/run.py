@@ -20,29 +20,26 @@ Writes ``<out>/results.md``, ``<out>/k_sweep.png`` and the run directories under
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from fedcluster_flwr import protocol
-from fedcluster_flwr.cli import run_experiment
 from fedcluster_flwr.client import TaskInput, relevance_to_every_client, top_gram_eigenpairs
 from fedcluster_flwr.clustering import cluster_by_relevance, cluster_scores, relevance_matrix, within_and_across
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.experiment import experiment_data, make_client
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import mean_std, run_or_reuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "oneshot_fmnist_3tasks.yaml"
 KS = (1, 2, 3, 5, 8, 10, 20, 30, 50)
 TASKS = {"0": "clothes", "1": "shoes", "2": "bags"}
 METHODS = ("oneshot_hfl", "random_clusters", "oracle_hfl")
-
-
-def mean_std(values: list[float], digits: int = 3) -> str:
-    values = [v for v in values if v is not None]
-    return "–" if not values else f"{np.mean(values):.{digits}f} ± {np.std(values):.{digits}f}"
 
 
 # ---- clustering vs k --------------------------------------------------------------------------
@@ -104,19 +101,12 @@ def plot_k_sweep(sweeps: list[dict[int, dict[str, float]]], ks: tuple[int, ...],
 
 
 def train(method: str, shared: bool, seed: int, training_rounds: int, out: Path) -> dict:
-    run_dir = out / "runs" / f"{method}_{'shared' if shared else 'independent'}_seed{seed}"
-    summary_file = run_dir / "summary.json"
-    if summary_file.is_file() and json.loads(summary_file.read_text()).get("finished"):
-        return json.loads(summary_file.read_text())  # finished earlier: reuse (delete the folder to rerun)
     rounds = training_rounds + (2 if method == "oneshot_hfl" else 0)
     items: dict[str, object] = {"seed": seed, "rounds": rounds, "strategy.name": method}
     if not shared:
         items["strategy.shared_layers"] = []
     config, _ = load_config(CONF, list(items.items()))
-    started = time.perf_counter()
-    summary = run_experiment(config, run_dir, progress=False)
-    print(f"{run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
-    return summary
+    return run_or_reuse(config, out / "runs" / f"{method}_{'shared' if shared else 'independent'}_seed{seed}")
 
 
 def main() -> None:
@@ -137,7 +127,7 @@ def main() -> None:
     oneshot = summaries[("oneshot_hfl", True)]
     k5 = [s[5] for s in sweeps]
     lines = [
-        f"# One-shot HFL on Fashion-MNIST, 3 tasks (clothes 5 / shoes 3 / bags 2 users)\n",
+        "# One-shot HFL on Fashion-MNIST, 3 tasks (clothes 5 / shoes 3 / bags 2 users)\n",
         f"`python benchmarks/oneshot/run.py --seeds {args.seeds} --training-rounds {args.training_rounds}` "
         f"({(time.perf_counter() - started) / 60:.0f} min for the parts not reused); conf "
         f"`conf/oneshot_fmnist_3tasks.yaml`, Φ = identity (standardised pixels), mean ± std over seeds {args.seeds}.\n",

@@ -1,0 +1,37 @@
+"""Helpers the benchmark scripts share: run (or reuse) one experiment, and mean ± std cells.
+
+The scripts run as ``python benchmarks/<name>/run.py``; they put this folder on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedcluster_flwr.cli import run_experiment
+from fedcluster_flwr.config import ExperimentConfig
+
+
+def run_or_reuse(config: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
+    """The summary of ``config`` run through Flower's Ray engine into ``run_dir``; a run that
+    finished there earlier is reused (delete the folder to run it again)."""
+    summary_file = run_dir / "summary.json"
+    if summary_file.is_file() and json.loads(summary_file.read_text()).get("finished"):
+        return json.loads(summary_file.read_text())
+    started = time.perf_counter()
+    summary = run_experiment(config, run_dir, progress=False)
+    print(f"{run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
+    return summary
+
+
+def mean_std(values: list[float | None], digits: int = 3) -> str:
+    """``mean ± std`` over the values present, with ``(k/n)`` when only k of n have one."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return f"– (0/{len(values)})"
+    text = f"{np.mean(present):.{digits}f} ± {np.std(present):.{digits}f}"
+    return text if len(present) == len(values) else f"{text} ({len(present)}/{len(values)})"
