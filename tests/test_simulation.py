@@ -177,3 +177,20 @@ def test_dac_beats_random_gossip_on_the_minority_cluster_through_ray(rotation_go
     assert "mean_best_val_accuracy" in rows[-1] and rows[-1]["tau"] == 30.0
     for name in ("communication.png", "similarity.npy"):
         assert (dac_dir / name).is_file(), name
+
+
+def test_the_in_process_driver_reproduces_the_ray_engine_bit_for_bit(tmp_path):
+    """tests/inprocess.py (used by the behaviour-preservation test) is a faithful stand-in for
+    Flower's Ray engine: FL+HC with failures and a late joiner gives the same rounds in both."""
+    from inprocess import run_in_process
+    from trajectories import KEYS, SETTINGS
+
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*SETTINGS, "strategy.name=flhc")])
+    in_process = run_in_process(config, tmp_path / "in_process")
+    run_experiment(config, tmp_path / "ray", progress=False)
+    ray_rows = read_rounds(tmp_path / "ray")
+    assert len(ray_rows) == len(in_process.setup.recorder.rows) == config.rounds
+    for ours, theirs in zip(in_process.setup.recorder.rows, ray_rows, strict=True):
+        assert {k: ours[k] for k in KEYS} == {k: theirs[k] for k in KEYS}, ours["round"]
+    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert summary["assignment"] == in_process.assignment.tolist()
