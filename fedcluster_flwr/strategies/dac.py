@@ -47,6 +47,7 @@ from ..protocol import GOSSIP_TRAIN, MODELS
 from ..results import plot_similarity
 from ..schema import require
 from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
+from .options import require_fraction
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
@@ -60,8 +61,7 @@ class GossipOptions:
 
     def validate(self, prefix: str) -> None:
         require(self.num_neighbours >= 1, f"{prefix}.num_neighbours", f"must be >= 1, got {self.num_neighbours}")
-        require(0.0 < self.client_fraction <= 1.0, f"{prefix}.client_fraction",
-                f"must be in (0, 1], got {self.client_fraction}")
+        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
 
     def check_experiment(self, config: Any) -> None:
         require(self.num_neighbours < config.partition.num_clients, "strategy.num_neighbours",

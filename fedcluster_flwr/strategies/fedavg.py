@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schema import require
 from ..protocol import MODELS, TRAIN
 from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
+from .options import require_fraction
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,7 @@ class FractionOptions:
     client_fraction: float = 0.1
 
     def validate(self, prefix: str) -> None:
-        require(
-            0.0 < self.client_fraction <= 1.0,
-            f"{prefix}.client_fraction",
-            f"must be in (0, 1], got {self.client_fraction}",
-        )
+        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
 
 
 @dataclass(frozen=True)

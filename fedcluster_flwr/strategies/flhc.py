@@ -33,6 +33,7 @@ from ..clustering import HacResult, UpdateMatrix, flatten, hierarchical_clusteri
 from ..results import plot_dendrogram
 from ..schema import require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
+from .options import require_clusters_fit, require_fraction
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,7 @@ class FLHCOptions:
     save_updates: bool = False  # write the clustering round's update matrix to updates.npy
 
     def validate(self, prefix: str) -> None:
-        require(
-            0.0 < self.client_fraction <= 1.0,
-            f"{prefix}.client_fraction",
-            f"must be in (0, 1], got {self.client_fraction}",
-        )
+        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
         require(self.rounds_before_clustering >= 0, f"{prefix}.rounds_before_clustering", "must be >= 0")
         require(
             (self.threshold is None) != (self.num_clusters is None),
@@ -70,11 +67,7 @@ class FLHCOptions:
             f"{prefix}.linkage",
             f"ward linkage needs distance l2 (it minimises Euclidean variance); got distance {self.distance}",
         )
-        require(
-            0.0 < self.clustering_quorum <= 1.0,
-            f"{prefix}.clustering_quorum",
-            f"must be in (0, 1], got {self.clustering_quorum}",
-        )
+        require_fraction(self.clustering_quorum, f"{prefix}.clustering_quorum")
         if self.projection_dim is not None:
             require(self.projection_dim >= 2, f"{prefix}.projection_dim", "must be >= 2")
             require(
@@ -91,11 +84,7 @@ class FLHCOptions:
             f"rounds ({config.rounds})",
         )
         if self.num_clusters is not None:
-            require(
-                self.num_clusters <= config.partition.num_clients,
-                "strategy.num_clusters",
-                f"cannot exceed partition.num_clients ({config.partition.num_clients})",
-            )
+            require_clusters_fit(self.num_clusters, config)
 
 
 class FLHC(ClusteredStrategy):

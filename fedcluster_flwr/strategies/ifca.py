@@ -37,6 +37,7 @@ from .. import protocol
 from ..protocol import DIRECTIONS, MODEL, MODELS, SELECT, TRAIN, TRAIN_SELECT, Task
 from ..schema import require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
+from .options import require_clusters_fit, require_fraction
 
 DIRECTION_MODEL_PREFIX = "direction"  # checkpoint name of cluster k's last update: direction<k>
 
@@ -55,8 +56,7 @@ class IFCAOptions:
 
     def validate(self, prefix: str) -> None:
         require(self.num_clusters >= 1, f"{prefix}.num_clusters", f"must be >= 1, got {self.num_clusters}")
-        require(0.0 < self.client_fraction <= 1.0, f"{prefix}.client_fraction",
-                f"must be in (0, 1], got {self.client_fraction}")
+        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
         if self.selection_batch is not None:
             require(self.selection_batch >= 1, f"{prefix}.selection_batch",
                     f"must be >= 1 (or null for all training samples), got {self.selection_batch}")
@@ -64,8 +64,7 @@ class IFCAOptions:
         require(self.warmup_noise > 0, f"{prefix}.warmup_noise", f"must be > 0, got {self.warmup_noise}")
 
     def check_experiment(self, config: Any) -> None:
-        require(self.num_clusters <= config.partition.num_clients, "strategy.num_clusters",
-                f"cannot exceed partition.num_clients ({config.partition.num_clients})")
+        require_clusters_fit(self.num_clusters, config)
         require(self.warmup_rounds < config.rounds, "strategy.warmup_rounds",
                 f"must leave rounds for clustering: {self.warmup_rounds} of rounds ({config.rounds})")
 

@@ -38,14 +38,15 @@ import numpy as np
 from flwr.common import NDArrays, Scalar, log
 
 from .. import protocol
+from ..aggregation import average_layers
 from ..clustering import HacResult, cluster_by_relevance, relevance_matrix, within_and_across
 from ..features import check_weights_file, feature_dim
 from ..models import build_model, parameter_names, parameters_with_prefixes
 from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ..results import plot_dendrogram, plot_similarity
 from ..schema import require
-from ..aggregation import average_layers
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
+from .options import require_clusters_fit, require_fraction
 
 
 EIGEN_PREFIX = "eigen"  # checkpoint names of the one-shot phase in progress: eigen<pid>, row<pid>
@@ -61,8 +62,7 @@ class HFLOptions:
     shared_layers: tuple[str, ...] = ()  # parameter-name prefixes, e.g. [conv]
 
     def validate(self, prefix: str) -> None:
-        require(0.0 < self.client_fraction <= 1.0, f"{prefix}.client_fraction",
-                f"must be in (0, 1], got {self.client_fraction}")
+        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
         require(self.lps_rounds >= 1, f"{prefix}.lps_rounds", f"must be >= 1, got {self.lps_rounds}")
 
     def check_experiment(self, config: Any) -> None:
@@ -80,8 +80,7 @@ class RandomClustersOptions(HFLOptions):
 
     def check_experiment(self, config: Any) -> None:
         super().check_experiment(config)
-        require(self.num_clusters <= config.partition.num_clients, "strategy.num_clusters",
-                f"cannot exceed partition.num_clients ({config.partition.num_clients})")
+        require_clusters_fit(self.num_clusters, config)
 
 
 @dataclass(frozen=True)
@@ -122,8 +121,7 @@ class OneShotOptions(HFLOptions):
         require(self.num_eigenvectors <= dim, "strategy.num_eigenvectors",
                 f"cannot exceed the {dim} features of {self.features}")
         if self.num_clusters is not None:
-            require(self.num_clusters <= config.partition.num_clients, "strategy.num_clusters",
-                    f"cannot exceed partition.num_clients ({config.partition.num_clients})")
+            require_clusters_fit(self.num_clusters, config)
 
 
 class HierarchicalFL(ClusteredStrategy):
