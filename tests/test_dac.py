@@ -68,7 +68,7 @@ def test_a_very_large_tau_picks_the_most_similar_clients(tmp_path):
     strategy.directory.online = list(range(N))
     strategy.similarity[0] = [np.nan, 0.1, 0.9, 0.2, 0.8, 0.3, 0.1, 0.1]
     strategy.met[0] = ~np.isnan(strategy.similarity[0])
-    strategy._round_similarity = strategy.effective_similarity()
+    strategy.estimate = strategy.effective_similarity()
     for _ in range(10):
         assert sorted(strategy.neighbours(2, 0)) == [2, 4]
 
@@ -113,7 +113,6 @@ def test_dac_samples_the_own_cluster_once_similarities_are_known(tmp_path):
     for rnd in range(1, 11):
         play(strategy, manager, rnd)
     assert strategy.met[6, 7] and strategy.similarity[6, 7] == 1.0 and strategy.similarity[6, 0] == 0.5
-    strategy.fit_instructions(11, list(range(N)))  # the relay's estimate for round 11
     late = [strategy.neighbours(11, 6) for _ in range(30)]
     assert all(7 in chosen for chosen in late)  # the only other client of its cluster, every time
     assert strategy.assignment.tolist() in (TRUE.tolist(), (1 - TRUE).tolist())  # implied clusters

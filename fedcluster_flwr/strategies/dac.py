@@ -120,6 +120,7 @@ class Gossip(ClusteredStrategy):
         self.similarity = np.full((n, n), np.nan)  # s_ij = 1 / loss of j's model on i's training data
         self.met = np.zeros((n, n), dtype=bool)
         self.communication = np.zeros((n, n), dtype=np.int64)  # how often i sampled j
+        self.estimate = self.similarity  # the similarities neighbours are drawn by: measured (+ two-hop)
         self.num_true_clusters = len(np.unique(setup.true_clusters))
 
     # ---- who meets whom ---------------------------------------------------------------------------
@@ -167,6 +168,7 @@ class Gossip(ClusteredStrategy):
                 self.similarity[i, k] = 1.0 / max(loss, MIN_LOSS)
                 self.met[i, k] = True
                 self.communication[i, k] += 1
+        self.estimate = self.effective_similarity()
 
     def after_round(self, server_round: int) -> None:
         """Soft clusters made hard for the metrics: HAC of the similarity into the true number of clusters."""
@@ -174,12 +176,13 @@ class Gossip(ClusteredStrategy):
             self.assignment[:] = self.implied_clusters()
 
     def effective_similarity(self) -> np.ndarray:
+        """The measured similarities and, where a strategy estimates more, its estimates."""
         return self.similarity
 
     def implied_clusters(self) -> np.ndarray:
         """Average-linkage clustering of the symmetrised similarity (as a distance: 1 / s, a loss),
         unknown pairs at the largest known distance."""
-        loss = 1.0 / self.effective_similarity()  # NaN where unknown
+        loss = 1.0 / self.estimate  # NaN where unknown
         distance = np.where(np.isnan(loss), loss.T, np.where(np.isnan(loss.T), loss, (loss + loss.T) / 2))
         largest = float(np.nanmax(distance)) if np.isfinite(distance).any() else 1.0
         distance = np.nan_to_num(distance, nan=largest, posinf=largest)
@@ -201,12 +204,13 @@ class Gossip(ClusteredStrategy):
         self.similarity = np.where(similarity < 0, np.nan, similarity)
         self.met = np.asarray(state["met"], dtype=bool)
         self.communication = np.asarray(state["communication"], dtype=np.int64)
+        self.estimate = self.effective_similarity()
 
     def write_artifacts(self) -> None:
         """``communication.npy`` / ``communication.png`` (how often i sampled j) and ``similarity.npy``."""
         run_dir = self.setup.recorder.run_dir
         np.save(run_dir / "communication.npy", self.communication)
-        np.save(run_dir / "similarity.npy", self.effective_similarity())
+        np.save(run_dir / "similarity.npy", self.estimate)
         true = self.setup.true_clusters
         order = np.lexsort((np.arange(len(true)), true))
         counts = self.communication / max(int(self.communication.max()), 1)
@@ -246,10 +250,6 @@ class DAC(Gossip):
     name = "dac"
     Options = DACOptions
 
-    def __init__(self, options: DACOptions, setup: StrategySetup) -> None:
-        super().__init__(options, setup)
-        self._round_similarity = self.similarity
-
     def tau(self, server_round: int) -> float:
         return self.options.tau
 
@@ -258,13 +258,9 @@ class DAC(Gossip):
             return self.similarity
         return two_hop_similarities(self.similarity, self.met)
 
-    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
-        self._round_similarity = self.effective_similarity()  # one estimate for the whole round
-        return super().fit_instructions(server_round, online)
-
     def neighbour_scores(self, server_round: int, pid: int, candidates: np.ndarray) -> np.ndarray:
         """τ · s_i (p = softmax(τ · s_i)); a pair with no estimate scores s = 0 (uniform at round 1)."""
-        return self.tau(server_round) * np.nan_to_num(self._round_similarity[pid, candidates], nan=0.0)
+        return self.tau(server_round) * np.nan_to_num(self.estimate[pid, candidates], nan=0.0)
 
     def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
         return super().extra_round_metrics(server_round) | {"tau": self.tau(server_round)}
