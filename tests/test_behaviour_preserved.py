@@ -1,6 +1,6 @@
 """Refactors keep behaviour: the shipped strategies' per-round trajectories on a small digits
 config with injected failures and a late joiner are bit-identical to the recorded ones
-(``tests/fixtures/trajectories.json``, recorded before the protocol refactor)."""
+(``tests/fixtures/trajectories.json``; see ``trajectories.py`` for when each was recorded)."""
 
 from __future__ import annotations
 
