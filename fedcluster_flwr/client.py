@@ -217,6 +217,8 @@ def score_models(client: ClusterClient, inputs: TaskInput, models: list[nn.Modul
     reduction = str(config.get(protocol.LOSS_REDUCTION_KEY, "mean"))
     directions = inputs.blocks.get(protocol.DIRECTIONS)
     if directions is None and batch == 0 and reduction == "mean":
+        # The batched evaluation loop FL+HC's placements have always used: its float sums, hence
+        # its choices, stay bit-identical (the recorded trajectories check it).
         losses = [client.training_loss(model) for model in models]
         similarities: list[float] = []
     else:

@@ -99,6 +99,7 @@ BAD_CONFIGS = [
     (["simulation.fail_fit={99: [3]}"], "simulation.fail_fit.99", "partition ids run from 0 to 19"),
     (["client.epochs=1.5"], "client.epochs", "expected an integer"),
     (["client=3"], "client", "expected a mapping"),
+    (["partition.val_fraction=0.8"], "partition.val_fraction", "must be in [0, 1 - test_fraction) = [0, 0.8)"),
     (["strategy.name=gradloss", "strategy.lambda=2"], "strategy.lambda", "must be in [0, 1], got 2.0"),
     (["strategy.name=gradloss", "strategy.lamda=0.5"], "strategy.lamda", "did you mean 'lambda'"),
     (["strategy.name=ifca", "strategy.num_clusters=21"], "strategy.num_clusters", "cannot exceed partition.num_clients"),

@@ -156,6 +156,8 @@ def test_config_errors_name_the_key():
         load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.features=random_projection")
     with pytest.raises(ConfigError, match="strategy.num_eigenvectors: cannot exceed the 64 features of identity"):
         load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.num_eigenvectors=65")
+    with pytest.raises(ConfigError, match="rounds: oneshot_hfl spends rounds 1-2 on clustering; give more than 2, got 2"):
+        load("strategy.threshold=null", "strategy.num_clusters=2", "rounds=2")
     with pytest.raises(ConfigError, match="strategy.threshold: must be in \\(0, 1\\)"):
         load("strategy.threshold=20.0")
 

@@ -136,6 +136,7 @@ CASES = {
         ("accuracy above 1", [], {ACCURACY: 1.5}, r"'accuracy' must be a number in \[0, 1\]"),
         ("accuracy a string", [], {ACCURACY: "high"}, "'accuracy' must be a number"),
         ("arrays where none are due", model(), {ACCURACY: 0.5}, r"expected arrays of shapes \[\]"),
+        ("a NaN validation loss", [], {ACCURACY: 0.5, "val_loss": float("nan")}, "'val_loss' must be a finite number"),
     ]),
 }
 

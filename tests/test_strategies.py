@@ -401,6 +401,7 @@ def test_results_contract_files(tmp_path):
     per_true = {str(g): np.mean([0.4 + 0.1 * (p % 3) for p in range(12) if GROUPS[p] == g]) for g in range(3)}
     assert rows[0]["per_true_cluster_accuracy"] == pytest.approx(per_true)  # by true id, whatever the assignment
     assert rows[-1]["per_true_cluster_accuracy"] == pytest.approx(per_true)
+    assert rows[-1]["per_true_cluster_accuracy_std"] == pytest.approx(np.std(list(per_true.values())))
     assert rows[-1]["nmi"] == pytest.approx(1.0) and rows[0]["nmi"] == pytest.approx(0.0)
     assert rows[-1]["pct_clients_over_target"] == pytest.approx(100 * 8 / 12)  # acc 0.5 and 0.6 reach 0.5
     assert rows[2]["bytes_up"] == rows[2]["bytes_down"] > 0  # 12 models each way in the clustering round
@@ -659,6 +660,15 @@ def test_dendrogram_draws_the_threshold(tmp_path, monkeypatch):
     for rnd in (1, 2, 3):
         run_round(strategy, manager, rnd, train)
     assert 4.0 in drawn and (tmp_path / "dendrogram.png").stat().st_size > 0
+
+
+def test_a_float64_reply_is_stored_in_the_models_dtype(tmp_path):
+    strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 2))
+    instructions = strategy.configure_fit(1, None, client_manager(2))
+    wide = [np.full(s, 0.1, np.float64) for s in SHAPES]
+    strategy.aggregate_fit(1, [(proxy, fit_res(wide)) for proxy, _ in instructions], [])
+    assert all(a.dtype == np.float32 for a in strategy.client_models[0])
+    np.testing.assert_allclose(strategy.client_models[0][0], 0.1, rtol=1e-6)
 
 
 def test_local_trains_every_client_every_round(tmp_path):
