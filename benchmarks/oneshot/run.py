@@ -1,7 +1,7 @@
 """One-shot data-similarity clustering + hierarchical training (Ali & Arafa) against random and
 oracle clusters, with and without shared layers, over seeds; and the clustering vs k (their Fig. 4).
 
-    python benchmarks/oneshot/run.py                     # Fashion-MNIST 3 tasks, 5 seeds, ≈ 25 min on 2 CPU cores
+    python benchmarks/oneshot/run.py                     # Fashion-MNIST 3 tasks, 5 seeds, 12 min on 2 CPU cores
     python benchmarks/oneshot/run.py --seeds 0,1,2,3,4,5,6,7,8,9 --training-rounds 28
 
 Needs Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Two parts, both on conf/oneshot_fmnist_3tasks.yaml
