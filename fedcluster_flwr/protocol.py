@@ -318,26 +318,23 @@ class Task:
             problem = check(metrics, sent)
             if problem is not None:
                 return f"task {self.name}: {problem}"
-        expected = [spec for name in self.reply for spec in self.reply_shapes(sent, model)[name]]
-        shapes = [a.shape for a in arrays]
-        if shapes != [spec.shape for spec in expected]:
-            return f"task {self.name}: expected arrays of shapes {[s.shape for s in expected]}, got {shapes}"
-        if any(a.dtype.kind != spec.kind for a, spec in zip(arrays, expected)):
+        shapes = self.reply_shapes(sent, model)
+        named = [(name, spec) for name in self.reply for spec in shapes[name]]
+        expected = [spec.shape for _, spec in named]
+        if [a.shape for a in arrays] != expected:
+            return f"task {self.name}: expected arrays of shapes {expected}, got {[a.shape for a in arrays]}"
+        if any(a.dtype.kind != spec.kind for a, (_, spec) in zip(arrays, named)):
             return f"task {self.name}: arrays of the wrong kind (e.g. strings or objects)"
         if not all(np.isfinite(a).all() for a in arrays if a.dtype.kind == "f"):
             return f"task {self.name}: non-finite values (NaN/inf)"
         if any(a.size and np.abs(a).max() > MAX_ABS_VALUE for a in arrays):
             return f"task {self.name}: values beyond +-{MAX_ABS_VALUE:g}"
-        for name, array, spec in zip(self._array_names(sent, model), arrays, expected):
+        for array, (name, spec) in zip(arrays, named):
             if array.size and spec.low is not None and array.min() < spec.low - BOUND_TOLERANCE:
                 return f"task {self.name}: {name} values must be >= {spec.low:g}, got {array.min():g}"
             if array.size and spec.high is not None and array.max() > spec.high + BOUND_TOLERANCE:
                 return f"task {self.name}: {name} values must be <= {spec.high:g}, got {array.max():g}"
         return None
-
-    def _array_names(self, sent: Sent, model: ModelSpec) -> list[str]:
-        shapes = self.reply_shapes(sent, model)
-        return [name for name in self.reply for _ in shapes[name]]
 
     def unpack_reply(self, arrays: NDArrays, sent: Sent, model: ModelSpec) -> dict[str, NDArrays]:
         """Named blocks of a reply that passed :meth:`problem_with_reply` (server side)."""
