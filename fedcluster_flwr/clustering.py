@@ -228,14 +228,21 @@ def relevance_matrix(rows: np.ndarray) -> np.ndarray:
     return (rows + rows.T) / 2
 
 
+def cluster_square(
+    distance: np.ndarray, linkage: str, *, threshold: float | None = None, num_clusters: int | None = None
+) -> HacResult:
+    """Agglomerative clustering of items given their symmetric distance matrix (diagonal ignored)."""
+    distance = distance.copy()
+    np.fill_diagonal(distance, 0.0)
+    return cluster_condensed(squareform(distance, checks=False), len(distance), linkage,
+                             threshold=threshold, num_clusters=num_clusters)
+
+
 def cluster_by_relevance(
     relevance: np.ndarray, linkage: str, *, threshold: float | None = None, num_clusters: int | None = None
 ) -> HacResult:
     """Agglomerative clustering of 1 − R (a distance: 0 for identical data)."""
-    distance = np.clip(1.0 - relevance, 0.0, None)
-    np.fill_diagonal(distance, 0.0)
-    return cluster_condensed(squareform(distance, checks=False), len(relevance), linkage,
-                             threshold=threshold, num_clusters=num_clusters)
+    return cluster_square(np.clip(1.0 - relevance, 0.0, None), linkage, threshold=threshold, num_clusters=num_clusters)
 
 
 def within_and_across(matrix: np.ndarray, groups: np.ndarray) -> tuple[float, float]:

@@ -42,7 +42,7 @@ import numpy as np
 from flwr.common import NDArrays
 
 from .. import protocol
-from ..clustering import cluster_condensed
+from ..clustering import cluster_square
 from ..protocol import GOSSIP_TRAIN, MODELS
 from ..results import plot_similarity
 from ..schema import require
@@ -186,9 +186,7 @@ class Gossip(ClusteredStrategy):
         distance = np.where(np.isnan(loss), loss.T, np.where(np.isnan(loss.T), loss, (loss + loss.T) / 2))
         largest = float(np.nanmax(distance)) if np.isfinite(distance).any() else 1.0
         distance = np.nan_to_num(distance, nan=largest, posinf=largest)
-        np.fill_diagonal(distance, 0.0)
-        condensed = distance[np.triu_indices(len(distance), k=1)]
-        return cluster_condensed(condensed, len(distance), "average", num_clusters=self.num_true_clusters).labels
+        return cluster_square(distance, "average", num_clusters=self.num_true_clusters).labels
 
     # ---- records -----------------------------------------------------------------------------------
 
