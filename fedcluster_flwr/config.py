@@ -108,6 +108,9 @@ class SimulationConfig:
     join_round: dict[int, int] = field(default_factory=dict)
     # Seconds to wait for a client's reply (fit, evaluate, properties); null waits for Flower's TTL.
     round_timeout_s: float | None = None
+    # Deterministic GPU kernels (cuDNN, cuBLAS workspace, torch's deterministic algorithms), so that a
+    # seed fixes a CUDA run as it already fixes a CPU run; slower on a GPU, no effect on CPU results.
+    deterministic: bool = False
 
     def validate(self, prefix: str) -> None:
         require(self.num_cpus_per_client > 0, join_key(prefix, "num_cpus_per_client"), "must be > 0")

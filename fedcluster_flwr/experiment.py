@@ -24,7 +24,7 @@ from .models import build_model, parameter_names
 from .results import RoundRow, RunRecorder, load_checkpoint
 from .schema import ConfigError
 from .strategies import STRATEGIES, StrategySetup
-from .training import TrainSettings, get_weights
+from .training import TrainSettings, get_weights, use_deterministic_kernels
 
 APP_ROOT = Path(__file__).resolve().parent.parent  # the project root (or the installed FAB)
 RUN_CONFIG_FILE_KEY = "config"
@@ -118,9 +118,11 @@ def server_components(
     run_dir: Path,
     on_round: Callable[[RoundRow], None] | None = None,
     resume: bool = False,
+    stop_after: int | None = None,
 ) -> ServerAppComponents:
     """Strategy (from the registry) and server config for one run writing to ``run_dir``;
-    with ``resume``, continue the run there from its checkpoint."""
+    with ``resume``, continue the run there from its checkpoint; with ``stop_after``, stop
+    (checkpointed) after that round, leaving the run to be resumed or branched."""
     _, partition = experiment_data(config)
     recorder = RunRecorder(run_dir, on_round)
     if not resume:
@@ -142,12 +144,13 @@ def server_components(
         join_round=config.simulation.join_round,
         checkpoint_every=config.checkpoint_every,
         timeout_s=config.simulation.round_timeout_s,
+        stop_round=stop_after,
     )
     strategy = STRATEGIES[config.strategy.name](config.strategy.options, setup)
     if resume:
         models, state = load_checkpoint(run_dir)
         strategy.restore(models, state)
-    remaining = config.rounds - strategy.round_offset
+    remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
     server_config = ServerConfig(num_rounds=remaining, round_timeout=config.simulation.round_timeout_s)
     return ServerAppComponents(strategy=strategy, config=server_config)
 
@@ -167,6 +170,11 @@ def make_client(config: ExperimentConfig, pid: int, num_partitions: int) -> Clus
     if client.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
     use_cuda = client.device == "cuda" or (client.device == "auto" and torch.cuda.is_available())
+    if config.simulation.deterministic:
+        try:
+            use_deterministic_kernels()
+        except ValueError as err:
+            raise ConfigError("simulation.deterministic", str(err)) from None
     return ClusterClient(
         pid=pid,
         num_partitions=num_partitions,

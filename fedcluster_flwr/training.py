@@ -6,12 +6,35 @@ are sliced from a seeded permutation instead of going through a DataLoader.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from flwr.common import NDArrays
 from torch import nn
+
+
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def use_deterministic_kernels() -> None:
+    """Make CUDA training a function of the seed (as CPU training already is), for this process.
+
+    Forces cuDNN's deterministic convolution algorithms (no benchmark-time choice between
+    algorithms), a fixed cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG``, read when cuBLAS first
+    starts, so this must run before the process's first CUDA matrix product) and
+    ``torch.use_deterministic_algorithms``, which raises on an operation that has no
+    deterministic CUDA kernel instead of silently running a nondeterministic one.
+    """
+    configured = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    if configured not in (":4096:8", ":16:8"):
+        raise ValueError(
+            f"deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8; the environment sets {configured!r}"
+        )
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
 
 
 def get_weights(model: nn.Module) -> NDArrays:
@@ -58,22 +81,28 @@ def train(
     generator: torch.Generator,
     device: torch.device,
 ) -> float:
-    """Run ``settings.epochs`` epochs of minibatch training; return the mean batch loss."""
+    """Run ``settings.epochs`` epochs of minibatch training; return the mean batch loss.
+
+    The data go to ``device`` once and the batch losses are read back once at the end: on a
+    GPU a host copy or ``.item()`` per step would wait for every step's kernels, and this
+    model at batch 10 is bound by kernel launches. The batch order comes from ``generator``
+    on the CPU, so the same seed gives the same batches on every device.
+    """
     model.to(device).train()
     optimizer = make_optimizer(model, settings)
+    x, y = x.to(device), y.to(device)
     losses = []
     for _ in range(settings.epochs):
-        order = torch.randperm(len(y), generator=generator)
+        order = torch.randperm(len(y), generator=generator).to(device)
         for start in range(0, len(y), settings.batch_size):
             batch = order[start : start + settings.batch_size]
-            xb, yb = x[batch].to(device), y[batch].to(device)
             optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(xb), yb)
+            loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
             loss.backward()
             optimizer.step()
-            losses.append(loss.item())
+            losses.append(loss.detach())
     model.cpu()
-    return float(np.mean(losses)) if losses else float("nan")
+    return float(np.mean(torch.stack(losses).cpu().tolist())) if losses else float("nan")
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ UNASSIGNED = -1
 class RoundCounters:
     started: float = 0.0
     num_fit_clients: int = 0
+    fit_clients: tuple[int, ...] = ()
     fit_failures: int = 0
     rejected_updates: int = 0
     bytes_up: int = 0
@@ -62,8 +63,10 @@ class RoundLog:
         target_accuracy: float,
         rounds: int,
         checkpoint_every: int,
+        stop_round: int | None = None,
     ) -> None:
         self.recorder = recorder
+        self.stop_round = stop_round
         self.true_clusters = true_clusters
         self.target_accuracy = target_accuracy
         self.rounds = rounds
@@ -84,7 +87,9 @@ class RoundLog:
 
     def checkpoint_due(self, server_round: int) -> bool:
         every = self.checkpoint_every
-        return self.finished(server_round) or bool(every and server_round % every == 0)
+        return (
+            self.finished(server_round) or server_round == self.stop_round or bool(every and server_round % every == 0)
+        )
 
     def metrics_row(
         self,
@@ -129,6 +134,8 @@ class RoundLog:
             "mean_test_loss": float(np.mean(list(loss.values()))) if loss else float("nan"),
             "mean_train_loss": counters.train_loss,
             "num_fit_clients": counters.num_fit_clients,
+            "fit_clients": list(counters.fit_clients),
+            "client_accuracy": {str(pid): value for pid, value in accuracy.items()},
             "num_evaluated": len(accuracy),
             "fit_failures": counters.fit_failures,
             "rejected_updates": counters.rejected_updates,
