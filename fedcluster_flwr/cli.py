@@ -2,7 +2,8 @@
 
     fedcluster run CONFIG [--set KEY=VALUE]... [--out DIR]
     fedcluster compare CONFIG --strategies fedavg,local,oracle,flhc [--set ...] [--out DIR]
-    fedcluster resume RUN_DIR [--rounds N]
+    fedcluster run CONFIG --stop-after N [--set ...] --out BASE     (a prefix to branch from)
+    fedcluster resume RUN_DIR [--rounds N] [--out NEW_DIR --set KEY=VALUE...]
     fedcluster plot RUN_DIR... [--out FILE]
 
 User mistakes (bad config, missing data) print one ``error:`` line and exit with 2.
@@ -23,8 +24,8 @@ import yaml
 
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
 from .data import DataError
-from .results import RoundRow, atomic_write, plot_comparison, run_dir_name
-from .schema import ConfigError
+from .results import RoundRow, atomic_write, branch_run, plot_comparison, run_dir_name
+from .schema import ConfigError, require
 
 EXIT_USER_ERROR = 2
 
@@ -41,10 +42,12 @@ def run_experiment(
     verbose: bool = False,
     announce: bool = False,
     resume_from: int = 0,
+    stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Run one experiment in-process on Flower's Ray simulation engine; return its summary.
 
-    ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round.
+    ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round;
+    ``stop_after`` stops it, checkpointed, after that round (before ``config.rounds``).
     """
     from flwr.clientapp import ClientApp
     from flwr.simulation import run_simulation
@@ -53,12 +56,19 @@ def run_experiment(
     from .client_app import make_client_fn
     from .server_app import make_server_app
 
+    if stop_after is not None:
+        require(
+            resume_from < stop_after < config.rounds,
+            "--stop-after",
+            f"must lie after round {resume_from} and before the last round ({config.rounds}), got {stop_after}",
+        )
     preflight(config, run_dir, resuming=resume_from > 0)
     if announce:
         from .experiment import run_title
 
         print(f"fedcluster: {run_title(config)}, {config.rounds} rounds -> {run_dir}", flush=True)
-    bar = tqdm(total=config.rounds, initial=resume_from, desc=config.strategy.name, unit="round", disable=not progress)
+    last_round = config.rounds if stop_after is None else stop_after
+    bar = tqdm(total=last_round, initial=resume_from, desc=config.strategy.name, unit="round", disable=not progress)
 
     def on_round(row: RoundRow) -> None:
         accuracy = row["mean_client_accuracy"]
@@ -75,7 +85,7 @@ def run_experiment(
     }
     with _quiet(verbose):
         run_simulation(
-            server_app=make_server_app(config, run_dir, on_round, resume=resume_from > 0),
+            server_app=make_server_app(config, run_dir, on_round, resume=resume_from > 0, stop_after=stop_after),
             client_app=ClientApp(client_fn=make_client_fn(config)),
             num_supernodes=config.partition.num_clients,
             backend_config=backend_config,
@@ -84,10 +94,10 @@ def run_experiment(
     bar.close()
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    if summary is None or not summary.get("finished"):
-        done = summary["completed_rounds"] if summary else 0
+    done = summary["completed_rounds"] if summary else 0
+    if done < last_round:
         raise RunFailed(
-            f"the run stopped after {done} of {config.rounds} rounds; partial results in {run_dir} "
+            f"the run stopped after {done} of {last_round} rounds; partial results in {run_dir} "
             f"(rerun with --verbose for Flower's and Ray's logs)"
         )
     return summary
@@ -184,28 +194,87 @@ def cmd_run(args: argparse.Namespace) -> int:
         config.strategy.name, config.dataset.name, config.partition.name
     )
     run_dir = run_dir.resolve()
-    summary = run_experiment(config, run_dir, progress=not args.no_progress, verbose=args.verbose, announce=True)
+    summary = run_experiment(
+        config, run_dir, progress=not args.no_progress, verbose=args.verbose, announce=True,
+        stop_after=args.stop_after,
+    )
+    if args.stop_after is not None:
+        print(
+            f"stopped after round {args.stop_after} of {config.rounds}, checkpointed in {run_dir}\n"
+            f"  continue it:  fedcluster resume {run_dir}\n"
+            f"  branch it:    fedcluster resume {run_dir} --out NEW_DIR --set strategy.KEY=VALUE"
+        )
+        return 0
     print(format_summary(summary, run_dir))
     return 0
 
 
+# What produced a checkpoint; a branch that changed one of these would continue a run that never happened.
+BRANCH_FIXED_SECTIONS = ("dataset", "partition", "model", "client")
+BRANCH_FIXED_KEYS = ("seed", "strategy.name")
+
+
+def check_branch_override(key: str) -> None:
+    section = key.split(".", 1)[0]
+    require(
+        section not in BRANCH_FIXED_SECTIONS and key not in BRANCH_FIXED_KEYS,
+        key,
+        "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
+        f"({', '.join(BRANCH_FIXED_SECTIONS)}, {', '.join(BRANCH_FIXED_KEYS)}); start a new run instead",
+    )
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
-    """Continue a run from its checkpoint (to its configured rounds, or to --rounds)."""
-    run_dir = Path(args.run_dir).resolve()
+    """Continue a run from its checkpoint (to its configured rounds, or to --rounds); with --out,
+    continue a copy of it instead (a branch), optionally with changed options (--set)."""
+    summary, run_dir = continue_run(
+        Path(args.run_dir), out=Path(args.out) if args.out else None, overrides=args.set, rounds=args.rounds,
+        progress=not args.no_progress, verbose=args.verbose,
+    )
+    print(format_summary(summary, run_dir))
+    return 0
+
+
+def continue_run(
+    run_dir: Path,
+    *,
+    out: Path | None = None,
+    overrides: Sequence[str] = (),
+    rounds: int | None = None,
+    progress: bool = True,
+    verbose: bool = False,
+) -> tuple[dict[str, Any], Path]:
+    """Resume ``run_dir`` from its checkpoint, or, with ``out``, a branch of it there with
+    ``overrides`` (``KEY=VALUE``) applied; return the summary and the directory that ran."""
+    run_dir = run_dir.resolve()
     checkpoint = run_dir / "checkpoint" / "state.json"
     if not checkpoint.is_file():
         raise ConfigError("RUN_DIR", f"{run_dir} has no checkpoint/state.json to resume from")
     done = int(json.loads(checkpoint.read_text())["round"])
-    config, _ = load_config(run_dir / "config.yaml", [("rounds", args.rounds)] if args.rounds else [])
+    parsed = [parse_override(item) for item in overrides]
+    require(
+        not parsed or out is not None,
+        "--set",
+        "changed options need --out NEW_DIR: RUN_DIR keeps the run as it ran and the changed continuation is a branch of it",
+    )
+    for key, _ in parsed:
+        check_branch_override(key)
+    config, notes = load_config(run_dir / "config.yaml", parsed + ([("rounds", rounds)] if rounds else []))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if config.rounds <= done:
         raise ConfigError("--rounds", f"the checkpoint is at round {done} of {config.rounds}; pass --rounds N > {done} to extend")
-    if args.rounds:
+    if out is not None:
+        target = out.resolve()
+        try:
+            branch_run(run_dir, target, config_to_dict(config), done, overrides)
+        except FileExistsError as err:
+            raise ConfigError("--out", str(err)) from None
+        run_dir = target
+    elif rounds:
         atomic_write(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    summary = run_experiment(
-        config, run_dir, progress=not args.no_progress, verbose=args.verbose, announce=True, resume_from=done
-    )
-    print(format_summary(summary, run_dir))
-    return 0
+    summary = run_experiment(config, run_dir, progress=progress, verbose=verbose, announce=True, resume_from=done)
+    return summary, run_dir
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -275,11 +344,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run one experiment")
     add_run_options(run, "set")
+    run.add_argument("--stop-after", type=int, metavar="N",
+                     help="stop after round N with a checkpoint, to resume or branch later (e.g. a shared prefix of a sweep)")
     run.set_defaults(func=cmd_run)
 
     resume = sub.add_parser("resume", help="continue a run from its checkpoint")
     resume.add_argument("run_dir", metavar="RUN_DIR")
     resume.add_argument("--rounds", type=int, help="extend the run to this many rounds")
+    resume.add_argument("--out", metavar="NEW_DIR",
+                        help="continue a copy of the run here (a branch) and leave RUN_DIR as it is")
+    resume.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --out: change an option for the continuation, e.g. --set strategy.threshold=250 (repeatable)")
     resume.add_argument("--no-progress", action="store_true", help="no progress bar")
     resume.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     resume.set_defaults(func=cmd_resume)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -204,6 +205,34 @@ def plot_similarity(matrix: np.ndarray, labels: list[str], order: np.ndarray, pa
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+BRANCH_FILE = "branch.json"
+
+
+def branch_run(
+    source: Path, target: Path, resolved_config: Mapping[str, Any], completed_round: int, overrides: Sequence[str]
+) -> None:
+    """Start run ``target`` as a copy of run ``source`` at its checkpoint (``completed_round``),
+    with ``resolved_config`` (the source's, with ``overrides`` applied).
+
+    ``branch.json`` records where the branch came from; ``rounds.jsonl`` is cut back to the
+    checkpoint when the branch resumes. Plots and a saved update matrix are not copied.
+    """
+    if target.is_dir() and any(target.iterdir()):
+        raise FileExistsError(f"{target} already holds files; give a new directory (results are never overwritten)")
+    shutil.copytree(
+        source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "updates.npy", ".*")
+    )
+    atomic_write(target / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
+    earlier = source / BRANCH_FILE
+    provenance = {
+        "source": str(source),
+        "round": completed_round,
+        "overrides": list(overrides),
+        "source_branch": json.loads(earlier.read_text()) if earlier.is_file() else None,
+    }
+    atomic_write(target / BRANCH_FILE, json.dumps(provenance, indent=2) + "\n")
 
 
 def load_checkpoint(run_dir: Path) -> tuple[dict[str, list[np.ndarray]], dict[str, Any]]:

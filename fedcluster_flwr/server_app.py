@@ -51,9 +51,10 @@ def make_server_app(
     run_dir: Path,
     on_round: Callable[[RoundRow], None] | None = None,
     resume: bool = False,
+    stop_after: int | None = None,
 ) -> ServerApp:
     """ServerApp bound to an already validated config (used by ``fedcluster run``/``resume``)."""
-    return ServerApp(server_fn=lambda context: server_components(config, run_dir, on_round, resume))
+    return ServerApp(server_fn=lambda context: server_components(config, run_dir, on_round, resume, stop_after))
 
 
 app = ServerApp(server_fn=server_fn)

@@ -1,14 +1,16 @@
-"""`fedcluster compare` orchestration (the runs themselves are covered end to end elsewhere)."""
+"""`fedcluster compare`, `run --stop-after` and `resume --out` (branches): orchestration and user
+mistakes (the runs themselves are covered end to end elsewhere)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import cli
-from fedcluster_flwr.config import config_to_dict
+from fedcluster_flwr.config import config_to_dict, load_config
 
 
 def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch):
@@ -33,3 +35,60 @@ def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch
     table = (tmp_path / "comparison.md").read_text()
     assert all(f"| {name} |" in table for name in ("fedavg", "oracle", "flhc"))
     assert (tmp_path / "comparison.png").stat().st_size > 0
+
+
+def finished_looking_run(run_dir, done=3):
+    """A run directory as `fedcluster run --stop-after 3` leaves it (checkpoint at round 3)."""
+    config, _ = load_config(DEFAULT_CONFIG, [])
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    (run_dir / "checkpoint" / "state.json").write_text(json.dumps({"round": done}))
+    (run_dir / "checkpoint" / "models.npz").write_bytes(b"models")
+    (run_dir / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, done + 1)))
+    (run_dir / "accuracy.png").write_bytes(b"png")
+    return run_dir
+
+
+def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "run_experiment", lambda config, run_dir, **kw: calls.append((config, run_dir, kw)) or {})
+    monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
+    base = finished_looking_run(tmp_path / "base")
+    code = cli.main(["resume", str(base), "--out", str(tmp_path / "branch"), "--set", "strategy.threshold=7.5",
+                     "--set", "strategy.linkage=average", "--rounds", "12"])
+    assert code == 0
+    (config, run_dir, kwargs), = calls
+    assert run_dir == tmp_path / "branch" and kwargs["resume_from"] == 3
+    assert (config.strategy.options.threshold, config.strategy.options.linkage, config.rounds) == (7.5, "average", 12)
+    branch = tmp_path / "branch"
+    assert yaml.safe_load((branch / "config.yaml").read_text())["strategy"]["threshold"] == 7.5
+    assert (branch / "checkpoint" / "models.npz").read_bytes() == b"models" and not (branch / "accuracy.png").exists()
+    provenance = json.loads((branch / "branch.json").read_text())
+    assert provenance == {"source": str(base), "round": 3, "overrides": ["strategy.threshold=7.5", "strategy.linkage=average"],
+                          "source_branch": None}
+    assert yaml.safe_load((base / "config.yaml").read_text())["strategy"]["threshold"] == 20.0  # the base is untouched
+
+
+@pytest.mark.parametrize(
+    ("extra", "phrase"),
+    [
+        (["--set", "strategy.threshold=7.5"], "--set: changed options need --out NEW_DIR"),
+        (["--out", "NEW", "--set", "partition.num_clients=10"], "partition.num_clients: a branch continues the checkpoint"),
+        (["--out", "NEW", "--set", "seed=3"], "seed: a branch continues the checkpoint"),
+        (["--out", "NEW", "--set", "strategy.name=fedavg"], "strategy.name: a branch continues the checkpoint"),
+        (["--out", "BASE"], "--out: "),
+        (["--out", "NEW", "--set", "strategy.threshold=-1"], "strategy.threshold: must be > 0"),
+    ],
+)
+def test_a_branch_that_cannot_continue_the_checkpoint_is_refused(tmp_path, monkeypatch, capsys, extra, phrase):
+    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    base = finished_looking_run(tmp_path / "base")
+    args = [a.replace("NEW", str(tmp_path / "new")).replace("BASE", str(base)) for a in extra]
+    assert cli.main(["resume", str(base), *args]) == 2
+    assert phrase in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_stop_after_must_fall_before_the_last_round(tmp_path, capsys):
+    assert cli.main(["run", str(DEFAULT_CONFIG), "--stop-after", "30", "--out", str(tmp_path / "x")]) == 2
+    assert "--stop-after: must lie after round 0 and before the last round (30), got 30" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.cli import run_experiment
+from fedcluster_flwr.cli import continue_run, run_experiment
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.results import read_rounds
 
@@ -116,6 +116,29 @@ def test_resume_continues_a_run_exactly(tmp_path):
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["finished"] and summary["completed_rounds"] == 6
     assert "rounds: 6" in (tmp_path / "resumed" / "config.yaml").read_text()
+
+
+def test_branches_of_a_stopped_run_share_its_rounds(tmp_path):
+    """`run --stop-after 2` and branches of it (a threshold sweep's shared prefix): the unchanged
+    branch equals the uninterrupted run; a branch with a tiny threshold clusters differently
+    from the same rounds 1-2."""
+    settings = [parse_override(o) for o in ("rounds=5", "strategy.rounds_before_clustering=2")]
+    config, _ = load_config(DEFAULT_CONFIG, settings)
+    run_experiment(config, tmp_path / "whole", progress=False)
+    stopped = run_experiment(config, tmp_path / "base", progress=False, stop_after=2)
+    assert not stopped["finished"] and stopped["completed_rounds"] == 2
+    continue_run(tmp_path / "base", out=tmp_path / "same", progress=False)
+    split, _ = continue_run(tmp_path / "base", out=tmp_path / "alone", overrides=["strategy.threshold=1e-6"], progress=False)
+
+    def metrics(name):
+        return [(r["round"], r["phase"], r["mean_client_accuracy"], r["num_clusters"], r["client_accuracy"])
+                for r in read_rounds(tmp_path / name)]
+
+    assert metrics("same") == metrics("whole")
+    assert metrics("alone")[:2] == metrics("whole")[:2] and metrics("alone")[2:] != metrics("whole")[2:]
+    assert split["clusters_found"] == config.partition.num_clients  # every client its own cluster
+    assert json.loads((tmp_path / "alone" / "branch.json").read_text())["overrides"] == ["strategy.threshold=1e-6"]
+    assert len(read_rounds(tmp_path / "base")) == 2  # the base is left as it stopped
 
 
 def test_ifca_recovers_disjoint_class_subsets_through_ray(tmp_path):

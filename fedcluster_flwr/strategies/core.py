@@ -86,6 +86,7 @@ class StrategySetup:
     parameter_names: Sequence[str] | None = None  # the model's state_dict keys; None: array0, array1, ...
     init_weights: Callable[[int], NDArrays] | None = None  # a freshly initialised model for a seed
     input_shape: tuple[int, ...] | None = None  # of the dataset's images (C, H, W)
+    stop_round: int | None = None  # stop (and checkpoint) after this round, before ``rounds``: a shared prefix
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -165,7 +166,10 @@ class ClusteredStrategy(Strategy):
         self.assignment = np.zeros(setup.num_clients, dtype=np.int64)
         self.rng = np.random.default_rng(setup.seed)
         self.directory = ClientDirectory(setup.num_clients, setup.join_round, setup.wait_for_clients_s, setup.timeout_s)
-        self.log = RoundLog(setup.recorder, setup.true_clusters, setup.target_accuracy, setup.rounds, setup.checkpoint_every)
+        self.log = RoundLog(
+            setup.recorder, setup.true_clusters, setup.target_accuracy, setup.rounds, setup.checkpoint_every,
+            setup.stop_round,
+        )
         self.round_offset = 0  # rounds already done when resuming: Flower's round r is round r + offset
         self._sent: dict[int, tuple[Instruction, Sent]] = {}
 
@@ -312,6 +316,7 @@ class ClusteredStrategy(Strategy):
             messages.append((self.directory.proxy(instruction.pid), FitIns(params, config)))
             self.log.round.bytes_down += parameters_nbytes(params)
         self.log.round.num_fit_clients = len(messages)
+        self.log.round.fit_clients = tuple(sorted(self._sent))
         return messages
 
     def aggregate_fit(
