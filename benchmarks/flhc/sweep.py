@@ -1,0 +1,256 @@
+"""FL+HC threshold sweep that shares the rounds before clustering (Briggs et al.'s Table IV protocol).
+
+Briggs et al. report, for each distance x linkage, the best result over a range of
+thresholds. Every FL+HC run is FedAvg until the clustering round n + 1, so the sweep runs
+those n rounds once and branches the rest:
+
+1. ``base``: the config's first n rounds (``fedcluster run --stop-after n``).
+2. ``probe``: a branch of ``base`` that runs only the clustering round and saves the client
+   updates (``probe/updates.npy``: 4 bytes x clients x parameters), to measure each distance's scale: for every method (``l1/complete``, ...) and
+   every target number of clusters K, the threshold midway between the two merge heights
+   that give K clusters.
+3. one branch of ``base`` per method x threshold (``fedcluster resume base --out ... --set
+   strategy.threshold=...``), run to the config's last round; K = N (every client its own
+   cluster) is the same for every method and runs once.
+4. the baselines (``fedavg`` by default; ``local``) from scratch on the same partition.
+
+Every run goes through Flower's Ray engine; a run that finished earlier in ``--out`` is
+reused, so an interrupted sweep continues where it stopped. The table goes to
+``<out>/sweep.md`` and ``<out>/sweep.json``.
+
+    python benchmarks/flhc/sweep.py conf/flhc_mnist_pathological.yaml --out DIR \\
+        --methods l1/complete l2/complete cosine/complete --clusters 10,25,50,75,100 [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.cluster import hierarchy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import run_or_reuse  # noqa: E402
+
+from fedcluster_flwr.cli import continue_run, run_experiment  # noqa: E402
+from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noqa: E402
+from fedcluster_flwr.config import ExperimentConfig, load_config, parse_override  # noqa: E402
+from fedcluster_flwr.results import read_rounds  # noqa: E402
+
+BASE, PROBE = "base", "probe"
+
+
+def finished(run_dir: Path) -> dict[str, Any] | None:
+    summary = run_dir / "summary.json"
+    if summary.is_file() and (loaded := json.loads(summary.read_text())).get("finished"):
+        return loaded
+    return None
+
+
+def checkpoint_round(run_dir: Path) -> int | None:
+    state = run_dir / "checkpoint" / "state.json"
+    return int(json.loads(state.read_text())["round"]) if state.is_file() else None
+
+
+def run_base(config: ExperimentConfig, out: Path, shared_rounds: int) -> Path:
+    base = out / BASE
+    if checkpoint_round(base) != shared_rounds:
+        run_experiment(config, base, progress=False, announce=True, stop_after=shared_rounds)
+    return base
+
+
+def branch(base: Path, target: Path, overrides: list[str], rounds: int | None = None) -> tuple[dict[str, Any], float]:
+    """The summary of a branch of ``base`` with ``overrides`` (reused if it finished) and its own seconds."""
+    if (summary := finished(target)) is not None:
+        return summary, float(json.loads((target / "timing.json").read_text())["seconds"])
+    if target.exists():
+        raise SystemExit(f"{target} holds an unfinished branch; delete it and run the sweep again")
+    started = time.perf_counter()
+    summary, _ = continue_run(base, out=target, overrides=overrides, rounds=rounds, progress=False)
+    seconds = time.perf_counter() - started
+    (target / "timing.json").write_text(json.dumps({"seconds": seconds}) + "\n")
+    return summary, seconds
+
+
+def thresholds_for(heights: np.ndarray, count: int, targets: list[int]) -> dict[int, float]:
+    """For each K in ``targets``, a threshold cutting a dendrogram with merge ``heights`` into K
+    clusters: midway between the (count-K)-th and (count-K+1)-th smallest heights."""
+    ordered = np.sort(heights)
+    chosen = {}
+    for k in targets:
+        below = ordered[count - k - 1] if count - k - 1 >= 0 else 0.0
+        above = ordered[count - k] if count - k < len(ordered) else ordered[-1] * 2
+        threshold = (below + above) / 2 if below > 0 else above / 2
+        rounded = float(f"{threshold:.4g}")
+        chosen[k] = rounded if below < rounded < above or (below == 0 and rounded < above) else float(threshold)
+    return chosen
+
+
+def probe_cuts(
+    base: Path, out: Path, config: ExperimentConfig, methods: list[tuple[str, str]], targets: list[int]
+) -> dict[str, Any]:
+    """Thresholds per method and target K, measured on the clustering round's updates
+    (``<out>/probe/updates.npy``); cached in ``<out>/thresholds.json``, which grows as later
+    invocations ask for other methods or K."""
+    cached = out / "thresholds.json"
+    cuts: dict[str, Any] = json.loads(cached.read_text()) if cached.is_file() else {"methods": {}}
+    missing = [
+        (distance, linkage) for distance, linkage in methods
+        if not {c["target_clusters"] for c in cuts["methods"].get(f"{distance}/{linkage}", {}).get("cuts", [])} >= set(targets)
+    ]
+    if not missing:
+        return cuts
+    clustering_round = config.strategy.options.rounds_before_clustering + 1
+    probe = out / PROBE
+    branch(base, probe, ["strategy.save_updates=true", "strategy.threshold=null", "strategy.num_clusters=1"],
+           rounds=clustering_round)
+    if not (probe / "updates.npy").is_file():
+        raise SystemExit(f"{probe}/updates.npy is gone; delete {probe} to measure the thresholds again")
+    updates = np.load(probe / "updates.npy", mmap_mode="r")
+    summary = json.loads((probe / "summary.json").read_text())
+    true = np.asarray(summary["true_clusters"])[summary["clustered_clients"]]
+    cuts["clustered_clients"] = len(updates)
+    for distance, linkage in missing:
+        condensed = pairwise_distances(np.asarray(updates), distance)
+        tree = hierarchy.linkage(condensed, method=linkage)
+        entry = cuts["methods"].setdefault(f"{distance}/{linkage}", {"cuts": []})
+        entry.update(min_distance=float(condensed.min()), median_distance=float(np.median(condensed)),
+                     max_distance=float(condensed.max()))
+        known = {c["target_clusters"] for c in entry["cuts"]}
+        for k, threshold in thresholds_for(tree[:, 2], len(updates), [k for k in targets if k not in known]).items():
+            labels = hierarchy.fcluster(tree, t=threshold, criterion="distance")
+            scores = cluster_scores(true, labels)
+            entry["cuts"].append({
+                "target_clusters": k, "threshold": threshold, "clusters": int(labels.max()),
+                "purity": scores["purity"], "ari": scores["ari"], "largest": int(np.bincount(labels).max()),
+            })
+        entry["cuts"].sort(key=lambda c: c["target_clusters"])
+    cached.write_text(json.dumps(cuts, indent=2) + "\n")
+    return cuts
+
+
+def accuracy_at(run_dir: Path, round_number: int) -> tuple[float | None, float | None]:
+    for row in read_rounds(run_dir):
+        if row["round"] == round_number:
+            return row["mean_client_accuracy"], row["pct_clients_over_target"]
+    return None, None
+
+
+def table_row(name: str, run_dir: Path, summary: dict[str, Any], seconds: float, at: int, extra: dict[str, Any]) -> dict[str, Any]:
+    after, _ = accuracy_at(run_dir, at)
+    return {
+        "run": name,
+        **extra,
+        f"accuracy_round_{at}": after,
+        "accuracy_last": summary["mean_client_accuracy"],
+        "best_accuracy": summary["best_mean_client_accuracy"],
+        "pct_over_target_last": summary["pct_clients_over_target"],
+        "rounds_to_target": summary["rounds_to_target"],
+        "clusters_found": summary.get("clusters_found"),
+        "purity": summary.get("purity"),
+        "ari": summary.get("ari"),
+        "seconds": seconds,
+    }
+
+
+def markdown(rows: list[dict[str, Any]], at: int, last: int, target: float) -> str:
+    def pct(v: Any) -> str:
+        return "–" if v is None else f"{100 * v:.1f}"
+
+    def num(v: Any, spec: str) -> str:
+        return "–" if v is None else format(v, spec)
+
+    lines = [
+        f"| run | threshold | clusters (purity, ARI) | round {at} | round {last} | best | % clients ≥ {100 * target:g} % at {last} "
+        "| rounds to target | minutes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        clusters = "–" if r["clusters_found"] is None else f"{r['clusters_found']} ({num(r['purity'], '.2f')}, {num(r['ari'], '.2f')})"
+        lines.append(
+            f"| {r['run']} | {num(r.get('threshold'), 'g')} | {clusters} | {pct(r[f'accuracy_round_{at}'])} "
+            f"| {pct(r['accuracy_last'])} | {pct(r['best_accuracy'])} | {num(r['pct_over_target_last'], '.0f')} "
+            f"| {num(r['rounds_to_target'], 'd')} | {r['seconds'] / 60:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_methods(values: list[str]) -> list[tuple[str, str]]:
+    methods = []
+    for value in values:
+        distance, _, linkage = value.partition("/")
+        if not linkage:
+            raise SystemExit(f"--methods: {value!r} is not DISTANCE/LINKAGE, e.g. l1/complete")
+        methods.append((distance, linkage))
+    return methods
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--methods", nargs="+", default=["l1/complete", "l2/complete", "cosine/complete"])
+    parser.add_argument("--clusters", default="10,25,50,75",
+                        help="target numbers of clusters, run in this order (N: every client alone)")
+    parser.add_argument("--baselines", default="fedavg", help="comma-separated strategies run from scratch ('' for none)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    args = parser.parse_args()
+
+    config, _ = load_config(args.config, [parse_override(item) for item in args.set])
+    if config.strategy.name != "flhc":
+        raise SystemExit(f"{args.config}: strategy.name is {config.strategy.name!r}; the sweep branches an flhc run")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    methods = parse_methods(args.methods)
+    targets = list(dict.fromkeys(int(k) for k in args.clusters.split(",") if k.strip()))  # in the order given
+    shared = config.strategy.options.rounds_before_clustering
+    clustering_round = shared + 1
+
+    started = time.perf_counter()
+    base = run_base(config, out, shared)
+    base_seconds = time.perf_counter() - started
+    cuts = probe_cuts(base, out, config, methods, targets)
+    count = cuts["clustered_clients"]
+    rows = []
+    singleton_done = False
+    for distance, linkage in methods:
+        method = f"{distance}/{linkage}"
+        for cut in [c for k in targets for c in cuts["methods"][method]["cuts"] if c["target_clusters"] == k]:
+            if cut["clusters"] == count:  # every client alone: the same run whatever the method
+                if singleton_done:
+                    continue
+                singleton_done, name = True, "every client its own cluster"
+            else:
+                name = f"{method}, K≈{cut['target_clusters']}"
+            run_dir = out / ("singletons" if cut["clusters"] == count else f"{distance}_{linkage}_{cut['threshold']:g}")
+            summary, seconds = branch(base, run_dir, [
+                f"strategy.distance={distance}", f"strategy.linkage={linkage}",
+                f"strategy.threshold={cut['threshold']!r}", "strategy.num_clusters=null",
+            ])
+            rows.append(table_row(name, run_dir, summary, seconds, clustering_round,
+                                  {"method": method, "threshold": cut["threshold"], "dir": run_dir.name}))
+            print(markdown(rows[-1:], clustering_round, config.rounds, config.target_accuracy).splitlines()[-1], flush=True)
+    for name in [n.strip() for n in args.baselines.split(",") if n.strip()]:
+        baseline, _ = load_config(args.config, [parse_override(i) for i in args.set] + [("strategy.name", name)])
+        run_started = time.perf_counter()
+        summary = run_or_reuse(baseline, out / name)
+        rows.append(table_row(name, out / name, summary, time.perf_counter() - run_started, clustering_round,
+                              {"method": None, "threshold": None, "dir": name}))
+    table = markdown(rows, clustering_round, config.rounds, config.target_accuracy)
+    total = time.perf_counter() - started
+    note = (
+        f"\nShared rounds 1..{shared} (`{BASE}`): {base_seconds / 60:.1f} min in this invocation; "
+        f"sweep total {total / 60:.1f} min in this invocation (reused runs count 0)."
+    )
+    (out / "sweep.md").write_text(table + "\n" + note + "\n")
+    (out / "sweep.json").write_text(json.dumps({"rows": rows, "thresholds": cuts, "seconds": total}, indent=2) + "\n")
+    print(table + "\n" + note)
+
+
+if __name__ == "__main__":
+    main()
