@@ -199,6 +199,8 @@ def main() -> None:
                         help="target numbers of clusters, run in this order (N: every client alone)")
     parser.add_argument("--baselines", default="fedavg", help="comma-separated strategies run from scratch ('' for none)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    parser.add_argument("--thresholds-only", action="store_true",
+                        help="run the shared rounds and the probe, print the thresholds per method and K, stop")
     args = parser.parse_args()
 
     config, _ = load_config(args.config, [parse_override(item) for item in args.set])
@@ -216,6 +218,13 @@ def main() -> None:
     base_seconds = time.perf_counter() - started
     cuts = probe_cuts(base, out, config, methods, targets)
     count = cuts["clustered_clients"]
+    if args.thresholds_only:
+        for method, info in cuts["methods"].items():
+            print(f"{method}: distances {info['min_distance']:.4g} .. {info['max_distance']:.4g}")
+            for c in info["cuts"]:
+                print(f"  K={c['target_clusters']}: threshold {c['threshold']:g} -> {c['clusters']} clusters, "
+                      f"purity {c['purity']:.2f}, ARI {c['ari']:.2f}, largest {c['largest']}")
+        return
     rows = []
     singleton_done = False
     for distance, linkage in methods:
