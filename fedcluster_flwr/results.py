@@ -7,6 +7,7 @@ Layout (the results contract)::
     <run>/summary.json       final values; rewritten every round ("finished": false until the end)
     <run>/accuracy.png, clients_over_target.png, dendrogram.png (FL+HC)
     <run>/checkpoint/        models.npz + state.json of the latest checkpoint
+    <run>/branch.json        a branch only: the run and round it continues, and the changed options
 
 Each file is written atomically (temp file + rename), so an interrupted run never
 leaves a truncated file behind; the checkpoint's two files carry their round, so a
