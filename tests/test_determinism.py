@@ -33,10 +33,10 @@ def restore_torch_flags(monkeypatch):
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1], saved[2]
 
 
-def briggs_cnn_trained(device: torch.device, seed: int = 0) -> list[np.ndarray]:
-    """Briggs et al.'s CNN after 60 SGD steps of batch 10 on fixed random MNIST-shaped data."""
+def briggs_cnn_trained(device: torch.device, seed: int = 0, samples: int = 600) -> list[np.ndarray]:
+    """Briggs et al.'s CNN after samples / 10 SGD steps of batch 10 on fixed random MNIST-shaped data."""
     data = torch.Generator().manual_seed(1)
-    x, y = torch.rand(600, *MNIST, generator=data), torch.randint(0, 10, (600,), generator=data)
+    x, y = torch.rand(samples, *MNIST, generator=data), torch.randint(0, 10, (samples,), generator=data)
     torch.manual_seed(seed)
     model = build_model("cnn_briggs", MNIST, 10)
     train(model, x, y, TrainSettings(1, 10, 0.1, "sgd", 0.0, 0.0), torch.Generator().manual_seed(seed), device)
@@ -76,8 +76,9 @@ def test_deterministic_cuda_training_repeats_bit_for_bit(restore_torch_flags):
 
 @needs_cuda
 def test_cuda_training_follows_the_cpu_closely(restore_torch_flags):
-    """Same seed, same batches on both devices: the models differ only by float rounding."""
+    """Same seed, same batches on both devices: after one step the models differ only by float
+    rounding (over many steps the rounding differences grow, so CPU and GPU runs drift apart)."""
     use_deterministic_kernels()
-    cpu, cuda = briggs_cnn_trained(torch.device("cpu")), briggs_cnn_trained(torch.device("cuda"))
+    cpu, cuda = briggs_cnn_trained(torch.device("cpu"), samples=10), briggs_cnn_trained(torch.device("cuda"), samples=10)
     for a, b in zip(cpu, cuda, strict=True):
-        np.testing.assert_allclose(a, b, atol=2e-3)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

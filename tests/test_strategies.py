@@ -308,6 +308,37 @@ def test_flhc_cluster_models_start_from_the_joint_model_and_average_members(tmp_
         np.testing.assert_allclose(flat(model), expected, rtol=1e-5)
 
 
+def test_after_clustering_only_the_sampled_members_shape_a_cluster_model(tmp_path):
+    """Briggs et al.'s per-cluster FedAvg with partial participation, as published: in round n+2 a
+    cluster of 4 with client_fraction 0.25 trains one member, and its update alone becomes the
+    model that all 4 are evaluated on. In a cluster mixing label sets the 3 others lose what only
+    they taught it (benchmarks/flhc/post_clustering.py measures this on pathological MNIST)."""
+    strategy, manager = flhc(tmp_path), client_manager(len(GROUPS))
+    returned = {}
+
+    def train(pid, models, config):
+        weights, n, metrics = group_trainer(GROUPS)(pid, models, config)
+        returned[pid] = flat(weights)
+        return weights, n, metrics
+
+    for rnd in (1, 2, 3):
+        run_round(strategy, manager, rnd, train)
+    returned.clear()
+    evaluated = {}
+
+    def accuracy(pid, weights):
+        evaluated[pid] = flat(weights)
+        return 0.8
+
+    run_round(strategy, manager, 4, train, accuracy=accuracy)
+    for cluster, model in strategy.models.items():
+        members = [p for p in range(len(GROUPS)) if strategy.assignment[p] == cluster]
+        (trained,) = [p for p in members if p in returned]  # max(1, floor(0.25 * 4)) = 1
+        np.testing.assert_array_equal(flat(model), returned[trained])
+        for pid in members:
+            np.testing.assert_array_equal(evaluated[pid], returned[trained])
+
+
 def test_flhc_threshold_cut_on_update_distances(tmp_path):
     """A threshold between within-group and across-group update distances finds the groups."""
     strategy = flhc(tmp_path, num_clusters=None, threshold=4.0)
