@@ -14,6 +14,10 @@ those n rounds once and branches the rest:
    cluster) is the same for every method and runs once.
 4. the baselines (``fedavg`` by default; ``local``) from scratch on the same partition.
 
+``--set simulation.*`` settings also apply to the branches (a base made on a GPU can be
+branched on a CPU with ``--set simulation.num_gpus_per_client=0``); ``--table-only`` runs
+nothing and tabulates the runs that finished.
+
 Every run goes through Flower's Ray engine; a run that finished earlier in ``--out`` is
 reused, so an interrupted sweep continues where it stopped. The table goes to
 ``<out>/sweep.md`` and ``<out>/sweep.json``.
@@ -26,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from scipy.cluster import hierarchy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -73,8 +79,15 @@ def branch(base: Path, target: Path, overrides: list[str], rounds: int | None = 
     started = time.perf_counter()
     summary, _ = continue_run(base, out=target, overrides=overrides, rounds=rounds, progress=False)
     seconds = time.perf_counter() - started
-    (target / "timing.json").write_text(json.dumps({"seconds": seconds}) + "\n")
+    (target / "timing.json").write_text(json.dumps({"seconds": seconds, "machine": machine()}) + "\n")
     return summary, seconds
+
+
+def machine() -> str:
+    """Where the clients trained: the GPU's name, or the CPU's core count."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU, {os.cpu_count()} cores"
 
 
 def thresholds_for(heights: np.ndarray, count: int, targets: list[int]) -> dict[int, float]:
@@ -201,6 +214,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     parser.add_argument("--thresholds-only", action="store_true",
                         help="run the shared rounds and the probe, print the thresholds per method and K, stop")
+    parser.add_argument("--table-only", action="store_true",
+                        help="run nothing: the table of the runs in --out that finished")
     args = parser.parse_args()
 
     config, _ = load_config(args.config, [parse_override(item) for item in args.set])
@@ -213,10 +228,15 @@ def main() -> None:
     shared = config.strategy.options.rounds_before_clustering
     clustering_round = shared + 1
 
+    # simulation.* settings also apply to the branches, e.g. to continue a GPU-made base on a CPU.
+    branch_settings = [item for item in args.set if item.startswith("simulation.")]
     started = time.perf_counter()
-    base = run_base(config, out, shared)
+    if args.table_only:
+        base, cuts = out / BASE, json.loads((out / "thresholds.json").read_text())
+    else:
+        base = run_base(config, out, shared)
+        cuts = probe_cuts(base, out, config, methods, targets)
     base_seconds = time.perf_counter() - started
-    cuts = probe_cuts(base, out, config, methods, targets)
     count = cuts["clustered_clients"]
     if args.thresholds_only:
         for method, info in cuts["methods"].items():
@@ -237,18 +257,21 @@ def main() -> None:
             else:
                 name = f"{method}, K≈{cut['target_clusters']}"
             run_dir = out / ("singletons" if cut["clusters"] == count else f"{distance}_{linkage}_{cut['threshold']:g}")
+            if args.table_only and finished(run_dir) is None:
+                continue
             summary, seconds = branch(base, run_dir, [
                 f"strategy.distance={distance}", f"strategy.linkage={linkage}",
-                f"strategy.threshold={cut['threshold']!r}", "strategy.num_clusters=null",
+                f"strategy.threshold={cut['threshold']!r}", "strategy.num_clusters=null", *branch_settings,
             ])
             rows.append(table_row(name, run_dir, summary, seconds, clustering_round,
                                   {"method": method, "threshold": cut["threshold"], "dir": run_dir.name}))
             print(markdown(rows[-1:], clustering_round, config.rounds, config.target_accuracy).splitlines()[-1], flush=True)
     for name in [n.strip() for n in args.baselines.split(",") if n.strip()]:
+        if args.table_only and finished(out / name) is None:
+            continue
         baseline, _ = load_config(args.config, [parse_override(i) for i in args.set] + [("strategy.name", name)])
-        run_started = time.perf_counter()
         summary = run_or_reuse(baseline, out / name)
-        rows.append(table_row(name, out / name, summary, time.perf_counter() - run_started, clustering_round,
+        rows.append(table_row(name, out / name, summary, summary["wall_seconds"], clustering_round,
                               {"method": None, "threshold": None, "dir": name}))
     table = markdown(rows, clustering_round, config.rounds, config.target_accuracy)
     total = time.perf_counter() - started
