@@ -77,8 +77,9 @@ def test_deterministic_cuda_training_repeats_bit_for_bit(restore_torch_flags):
 @needs_cuda
 def test_cuda_training_follows_the_cpu_closely(restore_torch_flags):
     """Same seed, same batches on both devices: after one step the models differ only by float
-    rounding (over many steps the rounding differences grow, so CPU and GPU runs drift apart)."""
+    rounding (2.1e-5 at most on an H100; over many steps the differences grow, so CPU and GPU
+    runs drift apart)."""
     use_deterministic_kernels()
     cpu, cuda = briggs_cnn_trained(torch.device("cpu"), samples=10), briggs_cnn_trained(torch.device("cuda"), samples=10)
     for a, b in zip(cpu, cuda, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
