@@ -95,7 +95,7 @@ def run_experiment(
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     done = summary["completed_rounds"] if summary else 0
-    if done < last_round:
+    if done != last_round:
         raise RunFailed(
             f"the run stopped after {done} of {last_round} rounds; partial results in {run_dir} "
             f"(rerun with --verbose for Flower's and Ray's logs)"
@@ -108,11 +108,14 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
     import torch
 
     from .experiment import experiment_data
+    from .training import cublas_workspace_problem
 
     if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
         raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
     if config.client.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
+    if config.simulation.deterministic and (problem := cublas_workspace_problem()):
+        raise ConfigError("simulation.deterministic", problem)
     experiment_data(config)
 
 
@@ -210,18 +213,43 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 # What produced a checkpoint; a branch that changed one of these would continue a run that never happened.
-BRANCH_FIXED_SECTIONS = ("dataset", "partition", "model", "client")
-BRANCH_FIXED_KEYS = ("seed", "strategy.name")
+BRANCH_FIXED = ("dataset", "partition", "model", "client", "seed")
 
 
-def check_branch_override(key: str) -> None:
-    section = key.split(".", 1)[0]
-    require(
-        section not in BRANCH_FIXED_SECTIONS and key not in BRANCH_FIXED_KEYS,
-        key,
-        "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
-        f"({', '.join(BRANCH_FIXED_SECTIONS)}, {', '.join(BRANCH_FIXED_KEYS)}); start a new run instead",
-    )
+def first_difference(before: Any, after: Any, key: str) -> str | None:
+    """The dotted key of the first value that differs between two resolved config trees."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        for name in sorted(set(before) | set(after)):
+            found = first_difference(before.get(name), after.get(name), f"{key}.{name}")
+            if found:
+                return found
+        return None
+    return None if before == after else key
+
+
+def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[str, Any]) -> None:
+    """Refuse a branch that changes what produced the checkpoint: the experiment (data, model,
+    training, seed), the strategy, or a strategy option the run already acted on."""
+    from .strategies import STRATEGIES
+
+    old, new = config_to_dict(before), config_to_dict(after)
+    for section in BRANCH_FIXED:
+        changed = first_difference(old[section], new[section], section)
+        require(
+            changed is None,
+            changed or section,
+            "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
+            f"({', '.join(BRANCH_FIXED)}, strategy.name); start a new run instead",
+        )
+    require(before.strategy.name == after.strategy.name, "strategy.name",
+            f"a branch continues the {before.strategy.name} checkpoint of RUN_DIR; start a new run for another strategy")
+    for option in STRATEGIES[before.strategy.name].options_fixed_by(state):
+        require(
+            getattr(before.strategy.options, option) == getattr(after.strategy.options, option),
+            f"strategy.{option}",
+            f"the run already acted on it by round {state['round']} (the checkpoint); branch from an earlier "
+            "checkpoint (fedcluster run --stop-after N) to vary it",
+        )
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -250,22 +278,28 @@ def continue_run(
     checkpoint = run_dir / "checkpoint" / "state.json"
     if not checkpoint.is_file():
         raise ConfigError("RUN_DIR", f"{run_dir} has no checkpoint/state.json to resume from")
-    done = int(json.loads(checkpoint.read_text())["round"])
+    state = json.loads(checkpoint.read_text())
+    done = int(state["round"])
     parsed = [parse_override(item) for item in overrides]
     require(
         not parsed or out is not None,
         "--set",
         "changed options need --out NEW_DIR: RUN_DIR keeps the run as it ran and the changed continuation is a branch of it",
     )
-    for key, _ in parsed:
-        check_branch_override(key)
+    require(rounds is None or rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")
+    before, _ = load_config(run_dir / "config.yaml", [])
     config, notes = load_config(run_dir / "config.yaml", parsed + ([("rounds", rounds)] if rounds else []))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    check_branch(before, config, state)
     if config.rounds <= done:
-        raise ConfigError("--rounds", f"the checkpoint is at round {done} of {config.rounds}; pass --rounds N > {done} to extend")
+        raise ConfigError(
+            "--rounds" if rounds else "rounds",
+            f"the checkpoint is at round {done} of {config.rounds}; pass --rounds N > {done} to extend",
+        )
     if out is not None:
         target = out.resolve()
+        preflight(config, target, resuming=True)  # a missing dataset is reported before anything is copied
         try:
             branch_run(run_dir, target, config_to_dict(config), done, overrides)
         except FileExistsError as err:

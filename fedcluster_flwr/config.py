@@ -109,7 +109,7 @@ class SimulationConfig:
     # Seconds to wait for a client's reply (fit, evaluate, properties); null waits for Flower's TTL.
     round_timeout_s: float | None = None
     # Deterministic GPU kernels (cuDNN, cuBLAS workspace, torch's deterministic algorithms), so that a
-    # seed fixes a CUDA run as it already fixes a CPU run; slower on a GPU, no effect on CPU results.
+    # seed fixes a CUDA run as it already fixes a CPU run; no effect on CPU results.
     deterministic: bool = False
 
     def validate(self, prefix: str) -> None:

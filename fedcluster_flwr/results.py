@@ -226,6 +226,7 @@ def branch_run(
         source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "updates.npy", ".*")
     )
     atomic_write(target / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
+    atomic_write(target / "summary.json", json.dumps({"finished": False, "completed_rounds": completed_round}) + "\n")
     earlier = source / BRANCH_FILE
     provenance = {
         "source": str(source),

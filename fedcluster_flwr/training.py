@@ -18,6 +18,14 @@ from torch import nn
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
 
 
+def cublas_workspace_problem() -> str | None:
+    """Why the environment's ``CUBLAS_WORKSPACE_CONFIG`` rules out deterministic cuBLAS, if it does."""
+    configured = os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    if configured in (":4096:8", ":16:8"):
+        return None
+    return f"deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8; the environment sets {configured!r}"
+
+
 def use_deterministic_kernels() -> None:
     """Make CUDA training a function of the seed (as CPU training already is), for this process.
 
@@ -27,11 +35,9 @@ def use_deterministic_kernels() -> None:
     ``torch.use_deterministic_algorithms``, which raises on an operation that has no
     deterministic CUDA kernel instead of silently running a nondeterministic one.
     """
-    configured = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
-    if configured not in (":4096:8", ":16:8"):
-        raise ValueError(
-            f"deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8; the environment sets {configured!r}"
-        )
+    if problem := cublas_workspace_problem():
+        raise ValueError(problem)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)

@@ -63,6 +63,7 @@ def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path,
     branch = tmp_path / "branch"
     assert yaml.safe_load((branch / "config.yaml").read_text())["strategy"]["threshold"] == 7.5
     assert (branch / "checkpoint" / "models.npz").read_bytes() == b"models" and not (branch / "accuracy.png").exists()
+    assert json.loads((branch / "summary.json").read_text()) == {"finished": False, "completed_rounds": 3}
     provenance = json.loads((branch / "branch.json").read_text())
     assert provenance == {"source": str(base), "round": 3, "overrides": ["strategy.threshold=7.5", "strategy.linkage=average"],
                           "source_branch": None}
@@ -75,7 +76,10 @@ def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path,
         (["--set", "strategy.threshold=7.5"], "--set: changed options need --out NEW_DIR"),
         (["--out", "NEW", "--set", "partition.num_clients=10"], "partition.num_clients: a branch continues the checkpoint"),
         (["--out", "NEW", "--set", "seed=3"], "seed: a branch continues the checkpoint"),
-        (["--out", "NEW", "--set", "strategy.name=fedavg"], "strategy.name: a branch continues the checkpoint"),
+        (["--out", "NEW", "--set", "strategy.name=fedavg"], "strategy.name: a branch continues the flhc checkpoint"),
+        (["--out", "NEW", "--set", "strategy={name: fedavg}"], "strategy.name: a branch continues the flhc checkpoint"),
+        (["--out", "NEW", "--set", "client={epochs: 9}"], "client.batch_size: a branch continues the checkpoint"),
+        (["--rounds", "0"], "--rounds: must be >= 1"),
         (["--out", "BASE"], "--out: "),
         (["--out", "NEW", "--set", "strategy.threshold=-1"], "strategy.threshold: must be > 0"),
     ],
@@ -92,3 +96,21 @@ def test_a_branch_that_cannot_continue_the_checkpoint_is_refused(tmp_path, monke
 def test_stop_after_must_fall_before_the_last_round(tmp_path, capsys):
     assert cli.main(["run", str(DEFAULT_CONFIG), "--stop-after", "30", "--out", str(tmp_path / "x")]) == 2
     assert "--stop-after: must lie after round 0 and before the last round (30), got 30" in capsys.readouterr().err
+
+
+def test_a_branch_cannot_change_what_the_run_already_acted_on(tmp_path, monkeypatch, capsys):
+    """FL+HC's clusters came from its clustering options: once it clustered, a branch keeps them."""
+    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    base = finished_looking_run(tmp_path / "base", done=8)
+    (base / "checkpoint" / "state.json").write_text(json.dumps({"round": 8, "clustered_at": 6}))
+    assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.threshold=5"]) == 2
+    assert "strategy.threshold: the run already acted on it by round 8" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: {})
+    monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
+    assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.client_fraction=0.5"]) == 0
+
+
+def test_a_bad_cublas_setting_is_reported_before_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    assert cli.main(["run", str(DEFAULT_CONFIG), "--set", "simulation.deterministic=true", "--out", str(tmp_path / "x")]) == 2
+    assert "simulation.deterministic: deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG" in capsys.readouterr().err

@@ -38,6 +38,8 @@ def cluster_kind(pid: int, members: list[int], true: np.ndarray) -> str:
 def analyse(run_dir: Path) -> list[str]:
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = {row["round"]: row for row in read_rounds(run_dir)}
+    if any("client_accuracy" not in row or "fit_clients" not in row for row in rows.values()):
+        return [f"{run_dir.name}: rounds.jsonl has no client_accuracy / fit_clients (a run made before they were recorded); skipped"]
     clustered = summary.get("clustering_round")
     if clustered is None or clustered + 1 not in rows:
         return [f"{run_dir.name}: no per-cluster round after clustering; skipped"]

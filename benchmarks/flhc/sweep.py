@@ -45,7 +45,8 @@ from common import run_or_reuse  # noqa: E402
 
 from fedcluster_flwr.cli import continue_run, run_experiment  # noqa: E402
 from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noqa: E402
-from fedcluster_flwr.config import ExperimentConfig, load_config, parse_override  # noqa: E402
+from fedcluster_flwr.config import ExperimentConfig, config_to_dict, load_config, parse_override  # noqa: E402
+from fedcluster_flwr.schema import ConfigError  # noqa: E402
 from fedcluster_flwr.results import read_rounds  # noqa: E402
 
 BASE, PROBE = "base", "probe"
@@ -64,9 +65,19 @@ def checkpoint_round(run_dir: Path) -> int | None:
 
 
 def run_base(config: ExperimentConfig, out: Path, shared_rounds: int) -> Path:
+    """The shared rounds 1..n in ``<out>/base``, reused if a base of the same config (``simulation``
+    settings aside: where it ran) stopped there."""
     base = out / BASE
-    if checkpoint_round(base) != shared_rounds:
+    if not base.exists():
         run_experiment(config, base, progress=False, announce=True, stop_after=shared_rounds)
+        return base
+    made_with, _ = load_config(base / "config.yaml", [])
+    experiment = lambda c: {k: v for k, v in config_to_dict(c).items() if k != "simulation"}  # noqa: E731
+    if experiment(made_with) != experiment(config) or checkpoint_round(base) != shared_rounds:
+        raise SystemExit(
+            f"{base} was made with another config or holds no checkpoint at round {shared_rounds}; "
+            f"give the sweep a new --out (or delete {base} and every branch beside it)"
+        )
     return base
 
 
@@ -96,6 +107,8 @@ def thresholds_for(heights: np.ndarray, count: int, targets: list[int]) -> dict[
     ordered = np.sort(heights)
     chosen = {}
     for k in targets:
+        if not 1 <= k <= count:
+            raise SystemExit(f"--clusters: {k} clusters of {count} clustered clients is impossible")
         below = ordered[count - k - 1] if count - k - 1 >= 0 else 0.0
         above = ordered[count - k] if count - k < len(ordered) else ordered[-1] * 2
         threshold = (below + above) / 2 if below > 0 else above / 2
@@ -237,7 +250,6 @@ def main() -> None:
     else:
         base = run_base(config, out, shared)
         cuts = probe_cuts(base, out, config, methods, targets)
-    base_seconds = time.perf_counter() - started
     count = cuts["clustered_clients"]
     if args.thresholds_only:
         for method, info in cuts["methods"].items():
@@ -276,9 +288,11 @@ def main() -> None:
                               {"method": None, "threshold": None, "dir": name}))
     table = markdown(rows, clustering_round, config.rounds, config.target_accuracy)
     total = time.perf_counter() - started
+    base_summary = json.loads((base / "summary.json").read_text())
     note = (
-        f"\nShared rounds 1..{shared} (`{BASE}`): {base_seconds / 60:.1f} min in this invocation; "
-        f"sweep total {total / 60:.1f} min in this invocation (reused runs count 0)."
+        f"\nMinutes: a branch's own rounds {clustering_round}..{config.rounds} (the shared rounds 1..{shared} of "
+        f"`{BASE}` took {base_summary.get('wall_seconds', 0) / 60:.1f} min once); a baseline's whole run. "
+        f"This invocation: {total / 60:.1f} min (reused runs count 0)."
     )
     (out / "sweep.md").write_text(table + "\n" + note + "\n")
     (out / "sweep.json").write_text(json.dumps({"rows": rows, "thresholds": cuts, "seconds": total}, indent=2) + "\n")
@@ -286,4 +300,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None

@@ -233,6 +233,12 @@ class ClusteredStrategy(Strategy):
     def write_artifacts(self) -> None:
         """Algorithm-specific files in the run directory (e.g. a dendrogram)."""
 
+    @classmethod
+    def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """Options a branch of a checkpoint with ``state`` may not change, because the run has
+        already acted on them (e.g. FL+HC's clustering options once it clustered); default none."""
+        return ()
+
     # ---- helpers for subclasses ------------------------------------------------------------------
 
     @property

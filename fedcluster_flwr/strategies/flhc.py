@@ -197,6 +197,14 @@ class FLHC(ClusteredStrategy):
     def extra_models(self) -> dict[str, NDArrays]:
         return {} if self.joint_model is None else {"joint": self.joint_model}
 
+    @classmethod
+    def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """Once the run clustered, its clusters came from these options; before, none is fixed."""
+        if state.get("clustered_at") is None:
+            return ()
+        return ("rounds_before_clustering", "distance", "linkage", "threshold", "num_clusters", "projection_dim",
+                "clustering_quorum")
+
     def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
         self.clustered_at = state["clustered_at"]
         self.clustered_pids = list(state["clustered_pids"])

@@ -212,6 +212,11 @@ class IFCA(ClusteredStrategy):
     def extra_models(self) -> dict[str, NDArrays]:
         return {f"{DIRECTION_MODEL_PREFIX}{k}": d for k, d in self.directions.items()}
 
+    @classmethod
+    def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """The K cluster models exist from the start (or the warm-up's end)."""
+        return ("num_clusters",)
+
     def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
         self.asked = set(state["asked"])
         self.to_reseed = list(state["to_reseed"])

@@ -364,6 +364,13 @@ class OneShotHFL(HierarchicalFL):
         return ({f"{EIGEN_PREFIX}{p}": pair for p, pair in self.eigenpairs.items()}
                 | {f"{ROW_PREFIX}{p}": [row] for p, row in self.rows.items()})
 
+    @classmethod
+    def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """Once clustered, the clusters came from the data summaries and the cut."""
+        if not state.get("clustered"):
+            return ()
+        return ("features", "feature_dim", "pretrained_weights", "num_eigenvectors", "num_clusters", "threshold", "linkage")
+
     def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
         super().restore_extra(models, state)
         self.clustered_pids = list(state["clustered_pids"])
