@@ -180,6 +180,7 @@ def table_row(name: str, run_dir: Path, summary: dict[str, Any], seconds: float,
         "clusters_found": summary.get("clusters_found"),
         "purity": summary.get("purity"),
         "ari": summary.get("ari"),
+        "gigabytes_up": summary["bytes_up"] / 1e9,
         "seconds": seconds,
         "machine": json.loads(timing.read_text()).get("machine") if (timing := run_dir / "timing.json").is_file() else None,
     }
@@ -194,15 +195,15 @@ def markdown(rows: list[dict[str, Any]], at: int, last: int, target: float) -> s
 
     lines = [
         f"| run | threshold | clusters (purity, ARI) | round {at} | round {last} | best | % clients ≥ {100 * target:g} % at {last} "
-        "| rounds to target | minutes | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| rounds to target | GB up | minutes | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         clusters = "–" if r["clusters_found"] is None else f"{r['clusters_found']} ({num(r['purity'], '.2f')}, {num(r['ari'], '.2f')})"
         lines.append(
             f"| {r['run']} | {num(r.get('threshold'), 'g')} | {clusters} | {pct(r[f'accuracy_round_{at}'])} "
             f"| {pct(r['accuracy_last'])} | {pct(r['best_accuracy'])} | {num(r['pct_over_target_last'], '.0f')} "
-            f"| {num(r['rounds_to_target'], 'd')} | {r['seconds'] / 60:.1f} | {r.get('machine') or '–'} |"
+            f"| {num(r['rounds_to_target'], 'd')} | {r['gigabytes_up']:.1f} | {r['seconds'] / 60:.1f} | {r.get('machine') or '–'} |"
         )
     return "\n".join(lines)
 
