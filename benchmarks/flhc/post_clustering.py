@@ -69,7 +69,7 @@ def analyse(run_dir: Path) -> list[str]:
 
     sizes = np.bincount(assignment[assignment >= 0])
     lines = [
-        f"### {run_dir.name}: {len(sizes)} clusters (sizes {sorted(sizes.tolist(), reverse=True)}), "
+        f"**{run_dir.name}**: {len(sizes)} clusters (largest {sizes.max()}, {int((sizes == 1).sum())} clients alone), "
         f"clustering round {clustered}",
         "",
         f"| client's cluster | clients | round {clustered} | round {first} | change |",
