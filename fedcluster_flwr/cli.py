@@ -294,7 +294,7 @@ def continue_run(
     check_branch(before, config, state)
     if config.rounds <= done:
         raise ConfigError(
-            "--rounds" if rounds else "rounds",
+            "rounds" if any(key == "rounds" for key, _ in parsed) and not rounds else "--rounds",
             f"the checkpoint is at round {done} of {config.rounds}; pass --rounds N > {done} to extend",
         )
     if out is not None:

@@ -114,3 +114,12 @@ def test_a_bad_cublas_setting_is_reported_before_the_run(tmp_path, monkeypatch, 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
     assert cli.main(["run", str(DEFAULT_CONFIG), "--set", "simulation.deterministic=true", "--out", str(tmp_path / "x")]) == 2
     assert "simulation.deterministic: deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    base = finished_looking_run(tmp_path / "base", done=30)
+    assert cli.main(["resume", str(base)]) == 2
+    assert "--rounds: the checkpoint is at round 30 of 30; pass --rounds N > 30" in capsys.readouterr().err
+    assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "rounds=30"]) == 2
+    assert "error: rounds: the checkpoint is at round 30 of 30" in capsys.readouterr().err
