@@ -16,16 +16,28 @@ from fedcluster_flwr.cli import run_experiment
 from fedcluster_flwr.config import ExperimentConfig
 
 
+def finished_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of the run in ``run_dir`` if it finished, else None."""
+    summary_file = run_dir / "summary.json"
+    if summary_file.is_file() and (summary := json.loads(summary_file.read_text())).get("finished"):
+        return summary
+    return None
+
+
 def run_or_reuse(config: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
     """The summary of ``config`` run through Flower's Ray engine into ``run_dir``; a run that
     finished there earlier is reused (delete the folder to run it again)."""
-    summary_file = run_dir / "summary.json"
-    if summary_file.is_file() and json.loads(summary_file.read_text()).get("finished"):
-        return json.loads(summary_file.read_text())
+    if (summary := finished_summary(run_dir)) is not None:
+        return summary
     started = time.perf_counter()
     summary = run_experiment(config, run_dir, progress=False)
     print(f"{run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
     return summary
+
+
+def value_at(rows: list[dict[str, Any]], key: str, round_number: int) -> Any:
+    """``key`` of the ``rounds.jsonl`` row of ``round_number`` (None if there is no such row)."""
+    return next((r.get(key) for r in rows if r["round"] == round_number), None)
 
 
 def mean_std(values: list[float | None], digits: int = 3) -> str:

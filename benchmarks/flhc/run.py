@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
-from fedcluster_flwr.cli import run_experiment
-from fedcluster_flwr.config import config_to_dict, load_config
-from fedcluster_flwr.results import plot_comparison, read_rounds
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import value_at  # noqa: E402
+
+from fedcluster_flwr.cli import run_experiment  # noqa: E402
+from fedcluster_flwr.config import config_to_dict, load_config  # noqa: E402
+from fedcluster_flwr.results import plot_comparison, read_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,13 +76,6 @@ def overrides(setting: str, scale: str, strategy: str) -> list[tuple[str, object
     return list(items.items())
 
 
-def accuracy_at(rows: list[dict], round_number: int) -> float | None:
-    for row in rows:
-        if row["round"] == round_number:
-            return row["mean_client_accuracy"]
-    return None
-
-
 def pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
@@ -127,8 +124,8 @@ def main() -> None:
         lines.append(
             f"| {setting} ({flhc_config.partition.name}) | {opts.distance}/{opts.linkage}, {opts.threshold:g} "
             f"| {flhc['clusters_found']} | {flhc['purity']:.2f} | {flhc['ari']:.2f} "
-            f"| {pct(accuracy_at(flhc_rows, clustering_round))} (round {clustering_round}) "
-            f"| {pct(accuracy_at(fedavg_rows, clustering_round))} "
+            f"| {pct(value_at(flhc_rows, 'mean_client_accuracy', clustering_round))} (round {clustering_round}) "
+            f"| {pct(value_at(fedavg_rows, 'mean_client_accuracy', clustering_round))} "
             f"| {pct(flhc['mean_client_accuracy'])} | {pct(fedavg['mean_client_accuracy'])} "
             f"| {flhc['pct_clients_over_target']:.0f} / {fedavg['pct_clients_over_target']:.0f} "
             f"| {paper.get('flhc_after') or '–'} / {paper.get('flhc_last') or '–'} | {paper.get('fedavg_last') or '–'} "

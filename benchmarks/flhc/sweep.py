@@ -41,7 +41,7 @@ import torch
 from scipy.cluster import hierarchy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import run_or_reuse  # noqa: E402
+from common import finished_summary, run_or_reuse, value_at  # noqa: E402
 
 from fedcluster_flwr.cli import continue_run, run_experiment  # noqa: E402
 from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noqa: E402
@@ -50,13 +50,6 @@ from fedcluster_flwr.schema import ConfigError  # noqa: E402
 from fedcluster_flwr.results import read_rounds  # noqa: E402
 
 BASE, PROBE = "base", "probe"
-
-
-def finished(run_dir: Path) -> dict[str, Any] | None:
-    summary = run_dir / "summary.json"
-    if summary.is_file() and (loaded := json.loads(summary.read_text())).get("finished"):
-        return loaded
-    return None
 
 
 def checkpoint_round(run_dir: Path) -> int | None:
@@ -72,7 +65,10 @@ def run_base(config: ExperimentConfig, out: Path, shared_rounds: int) -> Path:
         run_experiment(config, base, progress=False, announce=True, stop_after=shared_rounds)
         return base
     made_with, _ = load_config(base / "config.yaml", [])
-    experiment = lambda c: {k: v for k, v in config_to_dict(c).items() if k != "simulation"}  # noqa: E731
+
+    def experiment(c: ExperimentConfig) -> dict[str, Any]:
+        return {k: v for k, v in config_to_dict(c).items() if k != "simulation"}
+
     if experiment(made_with) != experiment(config) or checkpoint_round(base) != shared_rounds:
         raise SystemExit(
             f"{base} was made with another config or holds no checkpoint at round {shared_rounds}; "
@@ -83,7 +79,7 @@ def run_base(config: ExperimentConfig, out: Path, shared_rounds: int) -> Path:
 
 def branch(base: Path, target: Path, overrides: list[str], rounds: int | None = None) -> tuple[dict[str, Any], float]:
     """The summary of a branch of ``base`` with ``overrides`` (reused if it finished) and its own seconds."""
-    if (summary := finished(target)) is not None:
+    if (summary := finished_summary(target)) is not None:
         return summary, float(json.loads((target / "timing.json").read_text())["seconds"])
     if target.exists():
         raise SystemExit(f"{target} holds an unfinished branch; delete it and run the sweep again")
@@ -137,12 +133,12 @@ def probe_cuts(
            rounds=clustering_round)
     if not (probe / "updates.npy").is_file():
         raise SystemExit(f"{probe}/updates.npy is gone; delete {probe} to measure the thresholds again")
-    updates = np.load(probe / "updates.npy", mmap_mode="r")
+    updates = np.load(probe / "updates.npy")
     summary = json.loads((probe / "summary.json").read_text())
     true = np.asarray(summary["true_clusters"])[summary["clustered_clients"]]
     cuts["clustered_clients"] = len(updates)
     for distance, linkage in missing:
-        condensed = pairwise_distances(np.asarray(updates), distance)
+        condensed = pairwise_distances(updates, distance)
         tree = hierarchy.linkage(condensed, method=linkage)
         entry = cuts["methods"].setdefault(f"{distance}/{linkage}", {"cuts": []})
         entry.update(min_distance=float(condensed.min()), median_distance=float(np.median(condensed)),
@@ -160,15 +156,8 @@ def probe_cuts(
     return cuts
 
 
-def accuracy_at(run_dir: Path, round_number: int) -> tuple[float | None, float | None]:
-    for row in read_rounds(run_dir):
-        if row["round"] == round_number:
-            return row["mean_client_accuracy"], row["pct_clients_over_target"]
-    return None, None
-
-
 def table_row(name: str, run_dir: Path, summary: dict[str, Any], seconds: float, at: int, extra: dict[str, Any]) -> dict[str, Any]:
-    after, _ = accuracy_at(run_dir, at)
+    after = value_at(read_rounds(run_dir), "mean_client_accuracy", at)
     return {
         "run": name,
         **extra,
@@ -271,7 +260,7 @@ def main() -> None:
             else:
                 name = f"{method}, K≈{cut['target_clusters']}"
             run_dir = out / ("singletons" if cut["clusters"] == count else f"{distance}_{linkage}_{cut['threshold']:g}")
-            if args.table_only and finished(run_dir) is None:
+            if args.table_only and finished_summary(run_dir) is None:
                 continue
             summary, seconds = branch(base, run_dir, [
                 f"strategy.distance={distance}", f"strategy.linkage={linkage}",
@@ -281,7 +270,7 @@ def main() -> None:
                                   {"method": method, "threshold": cut["threshold"], "dir": run_dir.name}))
             print(markdown(rows[-1:], clustering_round, config.rounds, config.target_accuracy).splitlines()[-1], flush=True)
     for name in [n.strip() for n in args.baselines.split(",") if n.strip()]:
-        if args.table_only and finished(out / name) is None:
+        if args.table_only and finished_summary(out / name) is None:
             continue
         baseline, _ = load_config(args.config, [parse_override(i) for i in args.set] + [("strategy.name", name)])
         summary = run_or_reuse(baseline, out / name)

@@ -26,7 +26,7 @@ from fedcluster_flwr.config import load_config
 from fedcluster_flwr.results import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import mean_std, run_or_reuse  # noqa: E402
+from common import mean_std, run_or_reuse, value_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_METHODS = "ifca,gradloss-0.1,gradloss-0.2,gradloss-0.5,gradloss-0.2-mean,oracle,fedavg"
@@ -61,10 +61,6 @@ def method_overrides(method: str) -> dict[str, object]:
 
 def first_round(rows: list[dict], key: str, target: float) -> int | None:
     return next((r["round"] for r in rows if r.get(key) is not None and r[key] >= target), None)
-
-
-def value_at(rows: list[dict], key: str, round_number: int) -> float | None:
-    return next((r.get(key) for r in rows if r["round"] == round_number), None)
 
 
 def run_one(conf: Path, scale: str, method: str, seed: int, out: Path) -> list[dict]:
