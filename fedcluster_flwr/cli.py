@@ -66,7 +66,8 @@ def run_experiment(
     if announce:
         from .experiment import run_title
 
-        print(f"fedcluster: {run_title(config)}, {config.rounds} rounds -> {run_dir}", flush=True)
+        stopping = "" if stop_after is None else f", stopping after round {stop_after}"
+        print(f"fedcluster: {run_title(config)}, {config.rounds} rounds{stopping} -> {run_dir}", flush=True)
     last_round = config.rounds if stop_after is None else stop_after
     bar = tqdm(total=last_round, initial=resume_from, desc=config.strategy.name, unit="round", disable=not progress)
 

@@ -15,15 +15,18 @@ from flwr.common import NDArrays
 from torch import nn
 
 
-CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+CUBLAS_DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")  # the settings cuBLAS is deterministic with; first: ours
 
 
 def cublas_workspace_problem() -> str | None:
     """Why the environment's ``CUBLAS_WORKSPACE_CONFIG`` rules out deterministic cuBLAS, if it does."""
-    configured = os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
-    if configured in (":4096:8", ":16:8"):
+    configured = os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACES[0])
+    if configured in CUBLAS_DETERMINISTIC_WORKSPACES:
         return None
-    return f"deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8; the environment sets {configured!r}"
+    return (
+        f"deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG={' or '.join(CUBLAS_DETERMINISTIC_WORKSPACES)}; "
+        f"the environment sets {configured!r}"
+    )
 
 
 def use_deterministic_kernels() -> None:
@@ -37,7 +40,7 @@ def use_deterministic_kernels() -> None:
     """
     if problem := cublas_workspace_problem():
         raise ValueError(problem)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACES[0])
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)
