@@ -10,7 +10,8 @@ import yaml
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import cli
-from fedcluster_flwr.config import config_to_dict, load_config
+from fedcluster_flwr.config import config_to_dict, load_config, parse_override
+from fedcluster_flwr.schema import ConfigError
 
 
 def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch):
@@ -123,3 +124,27 @@ def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, cap
     assert "--rounds: the checkpoint is at round 30 of 30; pass --rounds N > 30" in capsys.readouterr().err
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "rounds=30"]) == 2
     assert "error: rounds: the checkpoint is at round 30 of 30" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("strategy", "state", "change", "refused"),
+    [
+        ("ifca", {"round": 4}, "strategy.num_clusters=2", True),  # the K models exist from round 1
+        ("ifca", {"round": 4}, "strategy.client_fraction=0.5", False),
+        ("oneshot_hfl", {"round": 4, "clustered": True}, "strategy.num_eigenvectors=3", True),
+        ("oneshot_hfl", {"round": 1, "clustered": False}, "strategy.num_eigenvectors=3", False),
+        ("flhc", {"round": 4, "clustered_at": None}, "strategy.threshold=5", False),  # not clustered yet
+        ("dac", {"round": 4}, "strategy.tau=5", False),
+    ],
+)
+def test_each_strategy_names_the_options_its_checkpoint_already_used(strategy, state, change, refused):
+    base = [("strategy.name", strategy), ("strategy.threshold", None), ("strategy.num_clusters", 4)]
+    if strategy == "flhc":
+        base = [("strategy.threshold", 20.0)]
+    before, _ = load_config(DEFAULT_CONFIG, base)
+    after, _ = load_config(DEFAULT_CONFIG, base + [parse_override(change)])
+    if refused:
+        with pytest.raises(ConfigError, match=rf"{change.split('=')[0]}: the run already acted on it by round 4"):
+            cli.check_branch(before, after, state)
+    else:
+        cli.check_branch(before, after, state)

@@ -172,6 +172,16 @@ def test_fedavg_samples_a_fraction_and_averages_by_examples(tmp_path):
     np.testing.assert_allclose(strategy.models[0][0], expected, rtol=1e-6)
 
 
+def test_each_round_records_who_trained_and_every_clients_accuracy(tmp_path):
+    """rounds.jsonl's fit_clients and client_accuracy: what post-clustering analyses read."""
+    strategy = FedAvg(FractionOptions(client_fraction=0.5), make_setup(tmp_path, 8))
+    received = run_round(strategy, client_manager(8), 1, group_trainer(np.zeros(8, dtype=int)),
+                         accuracy=lambda pid, w: pid / 10)
+    (row,) = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert row["fit_clients"] == sorted(received) and len(received) == 4
+    assert row["client_accuracy"] == {str(pid): pid / 10 for pid in range(8)}
+
+
 def test_sampling_is_seeded(tmp_path):
     def picks(seed, folder):
         setup = replace(make_setup(tmp_path / folder, 20), seed=seed)
