@@ -1,0 +1,77 @@
+"""Which floating-point code paths this process runs on.
+
+A seed fixes a CPU run bit for bit *on one platform*: torch picks its vectorised kernels by the
+CPU's instruction set (``torch.backends.cpu.get_cpu_capability()``: AVX2, AVX512, ...), and MKL
+and oneDNN pick theirs by instruction set, vendor and CPU model. Two platforms that pick
+different kernels add the same numbers in another order, so trajectories agree to about 1e-8
+relative after a few rounds, not bit for bit (see the README's "Reproducibility").
+
+:func:`numeric_platform` names what decides those choices, so a recorded trajectory can say
+where it was recorded and a comparison can say whether bit-equality is to be expected.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+# Environment variables that steer the CPU kernels' choice; recorded so a comparison can see them.
+NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+@lru_cache(maxsize=1)
+def cpu_identity() -> tuple[str, str]:
+    """The CPU's vendor and model name (from ``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "", platform.processor()
+    fields = dict(re.findall(r"^(vendor_id|model name)\s*:\s*(.*)$", text, flags=re.MULTILINE))
+    return fields.get("vendor_id", ""), fields.get("model name", platform.processor())
+
+
+def blas() -> str:
+    """torch's BLAS as its build reports it (e.g. ``mkl``, ``open``)."""
+    match = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    return match[1] if match else "unknown"
+
+
+def numeric_platform() -> dict[str, str]:
+    """What selects this process's CPU kernels: two runs of one seed are bit-identical where these
+    are equal (``cpu_model`` is informative; the others must match).
+
+    Reading the capability fixes it for the process (torch computes it once), so call this after
+    any environment setting meant to change it.
+    """
+    vendor, model = cpu_identity()
+    return {
+        "machine": platform.machine(),
+        "cpu_vendor": vendor,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "blas": blas(),
+        **{name.lower(): os.environ.get(name, "") for name in NUMERIC_ENV},
+        "cpu_model": model,
+    }
+
+
+INFORMATIVE_KEYS = ("cpu_model",)
+
+
+def same_numeric_platform(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Whether runs on ``a`` and ``b`` pick the same kernels (everything but the CPU model matches)."""
+    keys = (set(a) | set(b)) - set(INFORMATIVE_KEYS)
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def describe_platform(p: dict[str, str]) -> str:
+    pins = ", ".join(f"{name}={p[name.lower()]}" for name in NUMERIC_ENV if p.get(name.lower()))
+    return (
+        f"{p.get('cpu_model') or p.get('cpu_vendor') or 'unknown CPU'} ({p.get('machine')}), torch {p.get('torch')} "
+        f"capability {p.get('cpu_capability')}, BLAS {p.get('blas')}" + (f", {pins}" if pins else "")
+    )
