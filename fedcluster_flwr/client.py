@@ -40,7 +40,18 @@ from .protocol import MODEL, MODELS, Task
 from .aggregation import weighted_mean
 from .clustering import relevance_row
 from .features import feature_map, gram_matrix, top_eigenpairs
-from .training import TrainSettings, evaluate, get_weights, selection_score_inputs, set_weights, train
+from .training import (
+    TrainSettings,
+    descent_similarity,
+    evaluate,
+    get_weights,
+    gradient_step,
+    parameter_gradients,
+    selection_forward,
+    selection_score_inputs,
+    set_weights,
+    train,
+)
 
 
 class SimulatedClientFailure(RuntimeError):
@@ -229,8 +240,13 @@ def score_models(client: ClusterClient, inputs: TaskInput, models: list[nn.Modul
         ]
         losses = [loss for loss, _ in pairs]
         similarities = [similarity for _, similarity in pairs] if directions is not None else []
+    return selection_metrics(losses, similarities, float(config.get(protocol.LAMBDA_KEY, 0.0)))
+
+
+def selection_metrics(losses: list[float], similarities: list[float], weight: float) -> dict[str, Scalar]:
+    """``selected`` = argmax of −L_k (IFCA) or, with similarities, of λ·S_k − (1−λ)·L_k (Lin et
+    al., eq. 4, λ = ``weight``), and every L_k (and S_k). A NaN score is never the best."""
     if similarities:
-        weight = float(config.get(protocol.LAMBDA_KEY, 0.0))
         scores = weight * np.asarray(similarities) - (1 - weight) * np.asarray(losses)
     else:
         scores = -np.asarray(losses)
@@ -243,10 +259,44 @@ def score_models(client: ClusterClient, inputs: TaskInput, models: list[nn.Modul
 @handles(protocol.TRAIN_SELECT)
 def train_best_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     models = [client.load_model(arrays) for arrays in inputs.blocks[MODELS]]
+    local_update = inputs.config.get(protocol.LOCAL_UPDATE_KEY, protocol.EPOCHS)
+    if local_update == protocol.ONE_STEP:
+        return step_best_model(client, inputs, models)
+    if local_update != protocol.EPOCHS:
+        raise protocol.ProtocolError(f"{protocol.LOCAL_UPDATE_KEY!r} must be {protocol.EPOCHS!r} or {protocol.ONE_STEP!r}, got {local_update!r}")
     metrics = score_models(client, inputs, models)
     model = models[int(metrics[protocol.SELECTED])]
     metrics[protocol.TRAIN_LOSS] = client.train_model(model, inputs.server_round)
     return TaskOutput({MODEL: get_weights(model)}, client.num_train, metrics)
+
+
+def step_best_model(client: ClusterClient, inputs: TaskInput, models: list[nn.Module]) -> TaskOutput:
+    """Lin et al., Algorithm 1, lines 4-6, with one gradient step (``local_update: one_step``).
+
+    On the seeded mini-batch Z (``selection_batch`` training samples), compute every model's
+    loss L_k(Z) and, with directions, its gradient and S_k (eqs. 1-3); choose s by
+    :func:`selection_metrics` (eq. 4); return w_s − lr·∇L_s(Z) (eq. 5), the gradient being the
+    one already taken for S_s (IFCA's "gradient averaging" variant when no directions come,
+    where only ∇L_s is taken). With ``loss_reduction: sum`` the gradient is of the summed loss,
+    so ``client.lr`` is per sample. The reply's example count is |Z|.
+    """
+    config = inputs.config
+    x, y = client.selection_sample(inputs.server_round, int(config.get(protocol.SELECTION_BATCH_KEY, 0)))
+    reduction = str(config.get(protocol.LOSS_REDUCTION_KEY, "mean"))
+    directions = inputs.blocks.get(protocol.DIRECTIONS)
+    losses = [selection_forward(model, x, y, reduction, client.device, keep_graph=True) for model in models]
+    gradients: dict[int, list[torch.Tensor]] = {}
+    similarities: list[float] = []
+    if directions is not None:
+        gradients = {k: parameter_gradients(model, loss) for k, (model, loss) in enumerate(zip(models, losses))}
+        similarities = [descent_similarity(models[k], gradients[k], directions[k]) for k in range(len(models))]
+    metrics = selection_metrics([float(loss.detach()) for loss in losses], similarities, float(config.get(protocol.LAMBDA_KEY, 0.0)))
+    chosen = int(metrics[protocol.SELECTED])
+    model = models[chosen]
+    gradient_step(model, gradients.get(chosen) or parameter_gradients(model, losses[chosen]), client.settings.lr)
+    model.cpu()
+    metrics[protocol.TRAIN_LOSS] = float(losses[chosen].detach()) / (len(y) if reduction == "sum" else 1)
+    return TaskOutput({MODEL: get_weights(model)}, len(y), metrics)
 
 
 @handles(protocol.SELECT)

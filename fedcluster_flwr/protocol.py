@@ -57,6 +57,9 @@ PRETRAINED_WEIGHTS_KEY = "pretrained_weights"  # pretrained: the backbone's weig
 SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the losses are taken on (0: all)
 LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
 LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
+LOCAL_UPDATE_KEY = "local_update"  # train_select: EPOCHS (train the chosen model) or ONE_STEP (w_s - lr grad L_s(Z))
+EPOCHS = "epochs"
+ONE_STEP = "one_step"
 SAMPLES_KEY = "samples"  # gossip_train: samples_j, the training samples behind neighbour j's model
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.

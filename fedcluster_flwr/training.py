@@ -131,6 +131,38 @@ def evaluate(
     return loss_sum / count, correct / count
 
 
+def selection_forward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str, device: torch.device, keep_graph: bool
+) -> torch.Tensor:
+    """Loss of ``model`` (eval mode) on ``(x, y)`` with ``reduction`` ("mean" or "sum"); with
+    ``keep_graph`` its autograd graph is kept, so gradients can be taken without a second pass."""
+    model.to(device).eval()
+    with torch.set_grad_enabled(keep_graph):
+        return nn.functional.cross_entropy(model(x.to(device)), y.to(device), reduction=reduction)
+
+
+def parameter_gradients(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    """d loss / d parameter for every parameter, in ``state_dict`` order (buffers have none)."""
+    parameters = dict(model.named_parameters())
+    return list(torch.autograd.grad(loss, [parameters[n] for n in model.state_dict() if n in parameters]))
+
+
+def descent_similarity(model: nn.Module, gradients: list[torch.Tensor], direction: NDArrays) -> float:
+    """S = cos(-grad L, direction) over the model's parameters; ``direction`` holds arrays in
+    ``state_dict`` order (its buffers are left out).
+
+    ``-grad L``, not ``grad L``: a cluster's update w^t - w^{t-1} is a descent step, so the
+    data that produced it has a *negative* gradient pointing the same way. S is 0, not NaN,
+    when the direction or the gradient is zero (a cluster not updated last round).
+    """
+    parameters = dict(model.named_parameters())
+    names = list(model.state_dict())
+    descent = -torch.cat([g.detach().flatten().double().cpu() for g in gradients])
+    step = torch.cat([torch.as_tensor(a).flatten().double() for n, a in zip(names, direction) if n in parameters])
+    norms = descent.norm() * step.norm()
+    return float(descent @ step / norms) if norms > 0 else 0.0
+
+
 def selection_score_inputs(
     model: nn.Module,
     x: torch.Tensor,
@@ -139,25 +171,18 @@ def selection_score_inputs(
     device: torch.device,
     direction: NDArrays | None = None,
 ) -> tuple[float, float]:
-    """Loss of ``model`` (eval mode) on ``(x, y)`` with ``reduction`` ("mean" or "sum"), and,
-    given a ``direction`` (arrays in ``state_dict`` order), S = cos(-grad L, direction) over
-    the model's parameters (buffers carry no gradient and are left out).
-
-    ``-grad L``, not ``grad L``: a cluster's update w^t - w^{t-1} is a descent step, so the
-    data that produced it has a *negative* gradient pointing the same way. S is 0, not NaN,
-    when the direction or the gradient is zero (a cluster not updated yet).
-    """
-    model.to(device).eval()
-    with torch.set_grad_enabled(direction is not None):
-        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device), reduction=reduction)
+    """Loss of ``model`` on ``(x, y)`` and, given a ``direction``, S (:func:`descent_similarity`; NaN without)."""
+    loss = selection_forward(model, x, y, reduction, device, keep_graph=direction is not None)
     similarity = float("nan")
     if direction is not None:
-        parameters = dict(model.named_parameters())
-        names = list(model.state_dict())
-        gradients = torch.autograd.grad(loss, [parameters[n] for n in names if n in parameters])
-        descent = -torch.cat([g.detach().flatten().double().cpu() for g in gradients])
-        step = torch.cat([torch.as_tensor(a).flatten().double() for n, a in zip(names, direction) if n in parameters])
-        norms = descent.norm() * step.norm()
-        similarity = float(descent @ step / norms) if norms > 0 else 0.0
+        similarity = descent_similarity(model, parameter_gradients(model, loss), direction)
     model.cpu()
     return float(loss.detach()), similarity
+
+
+@torch.no_grad()
+def gradient_step(model: nn.Module, gradients: list[torch.Tensor], lr: float) -> None:
+    """w <- w - lr * grad, in place, for every parameter (plain SGD's step, without momentum)."""
+    parameters = dict(model.named_parameters())
+    for name, gradient in zip([n for n in model.state_dict() if n in parameters], gradients):
+        parameters[name].add_(gradient, alpha=-lr)

@@ -12,12 +12,13 @@ from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameter
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
-from fedcluster_flwr.client import TaskInput, score_models
+from fedcluster_flwr.client import TaskInput, score_models, train_best_model
 from fedcluster_flwr.clustering import purity
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
 from fedcluster_flwr.protocol import DIRECTIONS, LAYOUT_KEY, MODELS, SELECT, TASK_KEY, TRAIN, TRAIN_SELECT
 from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.ifca import IFCA, GradLoss, GradLossOptions, IFCAOptions
 from fedcluster_flwr.training import get_weights, selection_score_inputs
@@ -105,6 +106,33 @@ def test_the_selection_mini_batch_is_seeded_per_round_and_client(digits_client):
     assert len(client.selection_sample(3, 0)[1]) == client.num_train
 
 
+@pytest.mark.parametrize("with_directions", [False, True])
+def test_one_step_returns_the_chosen_model_minus_lr_times_its_gradient_on_the_selection_batch(digits_client, with_directions):
+    """Lin et al., eq. 5: w_s - lr * grad L_s(Z), L a sum over the seeded mini-batch Z, checked
+    against autograd by hand on the chosen model; no training epochs."""
+    config, client = digits_client
+    start = initial_weights(config)
+    good = trained(client, start)
+    settings = {protocol.SELECTION_BATCH_KEY: 16, protocol.LOSS_REDUCTION_KEY: "sum",
+                protocol.LOCAL_UPDATE_KEY: protocol.ONE_STEP, protocol.LAMBDA_KEY: 0.2}
+    blocks = {MODELS: [start, good]}
+    if with_directions:
+        blocks[DIRECTIONS] = [[np.zeros_like(a) for a in start], [a - b for a, b in zip(good, start)]]
+    output = train_best_model(client, TaskInput(7, blocks, settings))
+    assert output.metrics[protocol.SELECTED] == 1 and output.num_examples == 16
+    assert (protocol.indexed(protocol.SIMILARITY, 1) in output.metrics) == with_directions
+
+    model = client.load_model(good)
+    x, y = client.selection_sample(7, 16)
+    loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+    gradients = torch.autograd.grad(loss, list(model.parameters()))
+    expected = [(w - client.settings.lr * g).detach().numpy() for w, g in zip(model.parameters(), gradients)]
+    for got, want in zip(output.blocks[protocol.MODEL], expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert output.metrics["loss_1"] == pytest.approx(float(loss.detach()), rel=1e-6)
+    assert output.metrics[protocol.TRAIN_LOSS] == pytest.approx(float(loss.detach()) / 16, rel=1e-6)
+
+
 # ---- the strategies, with synthetic clients ----------------------------------------------------
 
 GROUPS = np.repeat(np.arange(3), 4)  # 12 clients, 3 true clusters
@@ -172,6 +200,18 @@ def test_sampled_clients_get_all_models_and_the_others_are_asked_once(tmp_path):
     assert rows[1]["bytes_down"] > 6 * 3 * model_bytes  # K models to every sampled client
 
 
+def test_one_step_with_every_device_sends_all_k_models_to_all_devices_every_iteration(tmp_path):
+    """Lin et al., Algorithm 1, line 3: the K models go to every device, every iteration."""
+    strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, local_update="one_step")
+    manager = client_manager(len(GROUPS))
+    for rnd in (1, 2, 3):
+        received = play(strategy, manager, rnd)
+        assert sorted(received) == list(range(len(GROUPS)))
+        for task, blocks, config in received.values():
+            assert task == TRAIN_SELECT.name and len(blocks[MODELS]) == len(blocks[DIRECTIONS]) == 3
+            assert config[protocol.LOCAL_UPDATE_KEY] == protocol.ONE_STEP
+
+
 def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_model(tmp_path):
     strategy, manager = strategy_of(IFCA, tmp_path, client_fraction=1.0), client_manager(len(GROUPS))
     start = {k: flat(m).copy() for k, m in strategy.models.items()}
@@ -190,21 +230,52 @@ def test_an_empty_cluster_is_given_a_sampled_client_only_with_reseed_empty(tmp_p
     plain = strategy_of(IFCA, tmp_path / "plain", client_fraction=1.0)
     play(plain, client_manager(len(GROUPS)), 1, always_first)
     received = play(plain, client_manager(len(GROUPS)), 2, always_first)
-    assert {task for task, _, _ in received.values()} == {TRAIN_SELECT.name}
+    assert {len(blocks[MODELS]) for _, blocks, _ in received.values()} == {3}
 
-    strategy = strategy_of(IFCA, tmp_path / "reseed", client_fraction=1.0, reseed_empty=True)
+    strategy = strategy_of(IFCA, tmp_path / "reseed", client_fraction=1.0, cluster_guard="reseed_empty")
     manager = client_manager(len(GROUPS))
     play(strategy, manager, 1, always_first)
     assert strategy.to_reseed == [1, 2]
     kept = {k: flat(strategy.models[k]).copy() for k in (1, 2)}
     received = play(strategy, manager, 2, always_first)
-    given = {pid: blocks for pid, (task, blocks, _) in received.items() if task == TRAIN.name}
-    assert len(given) == 2
-    for cluster, pid in strategy.reseeded.items():
-        np.testing.assert_array_equal(flat(given[pid][MODELS][0]), kept[cluster])  # trains the empty cluster's model
+    given = {pid: blocks for pid, (task, blocks, _) in received.items() if len(blocks[MODELS]) == 1}
+    assert len(given) == 2 and {received[pid][0] for pid in given} == {TRAIN_SELECT.name}
+    for cluster, pid in strategy.forced.items():
+        np.testing.assert_array_equal(flat(given[pid][MODELS][0]), kept[cluster])  # updates the empty cluster's model
         assert strategy.assignment[pid] == cluster
         assert not np.array_equal(flat(strategy.models[cluster]), kept[cluster])
     assert sorted(strategy.setup.recorder.rows[-1]["cluster_sizes"]) == [1, 1, 10]
+    assert strategy.setup.recorder.rows[-1]["forced_clients"] == {str(k): p for k, p in strategy.forced.items()}
+
+
+def test_one_per_cluster_gives_every_cluster_a_member_every_round(tmp_path):
+    """Lin et al., §II-C: each iteration K random devices are forced one to each cluster, even
+    when every device would choose the same model."""
+    strategy = strategy_of(IFCA, tmp_path, client_fraction=1.0, cluster_guard="one_per_cluster")
+    manager = client_manager(len(GROUPS))
+    forced_over_rounds = []
+    for rnd in range(1, 5):
+        before = {k: flat(m).copy() for k, m in strategy.models.items()}
+        received = play(strategy, manager, rnd, chooser=lambda pid, k: 0)
+        assert sorted(strategy.forced) == [0, 1, 2] and len(set(strategy.forced.values())) == 3
+        for cluster, pid in strategy.forced.items():
+            _, blocks, _ = received[pid]
+            assert len(blocks[MODELS]) == 1
+            np.testing.assert_array_equal(flat(blocks[MODELS][0]), before[cluster])
+            assert not np.array_equal(flat(strategy.models[cluster]), before[cluster])  # every cluster moved
+        assert min(strategy.setup.recorder.rows[-1]["cluster_sizes"]) >= 1
+        forced_over_rounds.append(tuple(sorted(strategy.forced.values())))
+    assert len(set(forced_over_rounds)) > 1  # random devices, not the same ones every round
+
+
+def test_a_guard_that_cannot_fill_every_cluster_and_one_step_with_another_optimizer_are_config_errors():
+    base = ["strategy.name=ifca", "strategy.num_clusters=4"]
+    with pytest.raises(ConfigError, match="strategy.cluster_guard: one_per_cluster .* samples only 2"):
+        load_config(DEFAULT_CONFIG, [parse_override(o) for o in base + ["strategy.client_fraction=0.1", "strategy.cluster_guard=one_per_cluster"]])
+    with pytest.raises(ConfigError, match=r"strategy.local_update: one_step .* \(got adam, momentum"):
+        load_config(DEFAULT_CONFIG, [parse_override(o) for o in base + ["strategy.local_update=one_step", "client.optimizer=adam"]])
+    with pytest.raises(ConfigError, match="strategy.cluster_guard: expected one of none, reseed_empty, one_per_cluster"):
+        load_config(DEFAULT_CONFIG, [parse_override(o) for o in base + ["strategy.cluster_guard=always"]])
 
 
 def test_gradloss_sends_zero_directions_first_then_each_clusters_last_update(tmp_path):
@@ -222,6 +293,19 @@ def test_gradloss_sends_zero_directions_first_then_each_clusters_last_update(tmp
     for cluster in (0, 2):
         np.testing.assert_allclose(flat(strategy.directions[cluster]), flat(strategy.models[cluster]) - before[cluster],
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_cluster_nobody_updated_last_round_sends_a_zero_direction(tmp_path):
+    """Lin et al., eq. 2: Δw_k^{t-1} is the mean update of cluster k's devices in iteration t-1;
+    a cluster idle in t-1 has Δw_k = 0 (so S_k = 0), not its older, stale update."""
+    strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0)
+    manager = client_manager(len(GROUPS))
+    play(strategy, manager, 1, chooser=lambda pid, k: 0 if pid < 6 else 2)  # clusters 0 and 2 move
+    play(strategy, manager, 2, chooser=lambda pid, k: 0)  # only cluster 0 moves
+    received = play(strategy, manager, 3, chooser=lambda pid, k: 0)
+    directions = received[0][1][DIRECTIONS]
+    assert any(np.any(a) for a in directions[0])
+    assert not any(np.any(a) for a in directions[2])  # updated in round 1, idle in round 2
 
 
 def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):

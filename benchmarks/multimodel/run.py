@@ -8,7 +8,7 @@ Needs MNIST / Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Every method runs the sa
 the same seeds (so the same partitions, initial models and client samples) through Flower's Ray
 simulation engine. A method is ``ifca``, ``gradloss-<lambda>`` (the conf's loss reduction, ``sum``
 as in the paper) or ``gradloss-<lambda>-<mean|sum>``, ``oracle`` or ``fedavg``; ``-reseed`` turns on
-``reseed_empty`` (Lin et al.'s §II-C fix) for ifca and gradloss. Writes
+``cluster_guard: reseed_empty`` (a refill of empty clusters) for ifca and gradloss. Writes
 ``<out>/results.md`` (mean ± std over seeds), ``<out>/purity.png`` and one run directory per
 (method, seed) under ``<out>/runs/``.
 """
@@ -47,7 +47,7 @@ def method_overrides(method: str) -> dict[str, object]:
     items: dict[str, object] = {"strategy.name": name}
     for option in options:
         if option == "reseed" and name in ("ifca", "gradloss"):
-            items["strategy.reseed_empty"] = True
+            items["strategy.cluster_guard"] = "reseed_empty"
         elif option in ("mean", "sum") and name == "gradloss":
             items["strategy.loss_reduction"] = option
         elif name == "gradloss" and option.replace(".", "", 1).isdigit():

@@ -1,24 +1,34 @@
 """Multi-model clustered FL: IFCA (Ghosh et al., 2020) and the joint gradient-and-loss
 clustering of Lin et al. (2023, "gradloss").
 
-The algorithm, with K cluster models w_1..w_K:
+The algorithm, with K cluster models w_1..w_K (Lin et al., Algorithm 1):
 
 1. (Optional) rounds 1..``warmup_rounds``: FedAvg of one model; then every cluster model
    starts from it plus seeded Gaussian noise of scale ``warmup_noise`` (the K models must
    differ, or every client picks the first). Without a warm-up the K models are initialised
    with K different seeds.
-2. Every round a fraction ``client_fraction`` of *all* online clients is sampled. Each receives
-   all K models (and, for gradloss, each cluster's last update Δw_k = w_k^t − w_k^{t−1}; a
-   cluster not updated yet sends zeros, which score S = 0), and picks its identity on its
-   *training* data: IFCA the model with the lowest loss L_k; gradloss the highest
-   λ·S_k − (1−λ)·L_k with S_k = cos(−∇L_k, Δw_k) (Lin et al., eqs. 1–4; λ = 0 is IFCA).
-   It trains that model and returns it (client task ``train_select``).
-3. The server averages the returned models per identity (sample-weighted FedAvg); a cluster
-   nobody chose keeps its model. With ``reseed_empty`` (Lin et al., §II-C) a cluster that no
-   client holds is given one random sampled client in the next round, which trains it.
-4. Evaluation: every client uses the model of its latest identity. A client that has never
+2. Every round (iteration t) a fraction ``client_fraction`` of *all* online clients is sampled
+   (Lin et al.: all of them, ``client_fraction: 1``). Each receives all K models (line 3) and,
+   for gradloss, each cluster's update of the previous iteration, Δw_k^{t−1} = w_k^t − w_k^{t−1}
+   (eq. 2: the mean update of cluster k's devices; 0 for a cluster nobody updated, which
+   scores S = 0). On its *training* data — all of it, or a seeded mini-batch Z of
+   ``selection_batch`` samples — it computes each model's loss L_k (eq. 1, ``loss_reduction``
+   sum or mean) and, for gradloss, S_k = cos(−∇L_k, Δw_k) (eq. 3), and picks its identity
+   s = argmax_k λ·S_k − (1−λ)·L_k (eq. 4; IFCA and λ = 0: argmin_k L_k).
+3. It updates the chosen model (client task ``train_select``), by ``local_update``:
+   ``one_step``: w_s − lr·∇L_s(Z), the gradient already taken (eq. 5, the paper's setting;
+   IFCA's "gradient averaging"); ``epochs``: ``client.epochs`` of local SGD on all its data
+   (IFCA's "model averaging", the practical setting).
+4. The server averages the returned models per identity (sample-weighted FedAvg; with
+   ``one_step`` every weight is |Z|); a cluster nobody chose keeps its model.
+5. ``cluster_guard`` keeps clusters from emptying: ``one_per_cluster`` (Lin et al., §II-C)
+   forces K random sampled devices, one to each cluster, every iteration; ``reseed_empty``
+   gives a cluster that no client holds one random sampled client in the next round. A forced
+   client receives only its cluster's model, updates it as in 3 and holds that identity for
+   the round (``forced_clients`` in ``rounds.jsonl``).
+6. Evaluation: every client uses the model of its latest identity. A client that has never
    been sampled is asked once, in the first round after the warm-up, which model fits its
-   training data (task ``select``: the same rule, no training), so that it too is evaluated
+   training data (task ``select``: the same rule, no update), so that it too is evaluated
    on its own cluster's model from the start.
 
 Cost: each sampled client downloads K models (2K for gradloss); ``bytes_down`` counts them.
@@ -26,6 +36,7 @@ Cost: each sampled client downloads K models (2K for gradloss); ``bytes_down`` c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -50,7 +61,8 @@ class IFCAOptions:
     client_fraction: float = 0.1
     selection_batch: int | None = None  # samples the K losses are taken on; null: all training samples
     loss_reduction: Literal["mean", "sum"] = "mean"
-    reseed_empty: bool = False
+    local_update: Literal["epochs", "one_step"] = "epochs"
+    cluster_guard: Literal["none", "reseed_empty", "one_per_cluster"] = "none"
     warmup_rounds: int = 0
     warmup_noise: float = 0.01
 
@@ -67,11 +79,23 @@ class IFCAOptions:
         require_clusters_fit(self.num_clusters, config)
         require(self.warmup_rounds < config.rounds, "strategy.warmup_rounds",
                 f"must leave rounds for clustering: {self.warmup_rounds} of rounds ({config.rounds})")
+        if self.cluster_guard == "one_per_cluster":
+            sampled = max(1, math.floor(self.client_fraction * config.partition.num_clients + 1e-9))
+            require(sampled >= self.num_clusters, "strategy.cluster_guard",
+                    f"one_per_cluster forces one sampled client into each of the {self.num_clusters} clusters, "
+                    f"but client_fraction {self.client_fraction} samples only {sampled}")
+        if self.local_update == "one_step":
+            client = config.client
+            require(client.optimizer == "sgd" and client.momentum == 0 and client.weight_decay == 0, "strategy.local_update",
+                    "one_step takes one plain gradient step with client.lr: it needs client.optimizer sgd with "
+                    f"momentum 0 and weight_decay 0 (got {client.optimizer}, momentum {client.momentum}, "
+                    f"weight_decay {client.weight_decay})")
 
     def selection_config(self) -> dict[str, Scalar]:
         return {
             protocol.SELECTION_BATCH_KEY: self.selection_batch or 0,
             protocol.LOSS_REDUCTION_KEY: self.loss_reduction,
+            protocol.LOCAL_UPDATE_KEY: self.local_update,
         }
 
 
@@ -119,8 +143,8 @@ class IFCA(ClusteredStrategy):
         self.directions: dict[int, NDArrays] = {}
         self.no_direction = [np.zeros_like(a) for a in setup.initial_weights]  # before a cluster's first update
         self.asked: set[int] = set()  # clients that have reported an identity at least once
-        self.to_reseed: list[int] = []
-        self.reseeded: dict[int, int] = {}  # cluster -> client, this round
+        self.to_reseed: list[int] = []  # reseed_empty: clusters nobody held after the last round
+        self.forced: dict[int, int] = {}  # cluster -> the client the guard gives it, this round
         self.identity_changes = 0
         self.spreads: dict[str, float] = {}  # this round's mean spread of the clients' scores
 
@@ -135,20 +159,21 @@ class IFCA(ClusteredStrategy):
             return [Instruction(p, TRAIN, {MODELS: [self.models[0]]}, clusters=(0,)) for p in sampled]
         if len(self.models) < self.options.num_clusters:  # the first round after the warm-up
             self._spawn_from_warmup()
-        givers = self.rng.permutation(sampled)[: len(self.to_reseed)].tolist()
-        self.reseeded = {cluster: int(pid) for cluster, pid in zip(self.to_reseed, givers)}
-        forced = {pid: cluster for cluster, pid in self.reseeded.items()}
+        guarded = list(range(self.options.num_clusters)) if self.options.cluster_guard == "one_per_cluster" else self.to_reseed
+        givers = self.rng.permutation(sampled)[: len(guarded)].tolist()
+        self.forced = {cluster: int(pid) for cluster, pid in zip(guarded, givers)}
+        forced_to = {pid: cluster for cluster, pid in self.forced.items()}
         instructions = [
-            Instruction(p, TRAIN, {MODELS: [self.models[forced[p]]]}, clusters=(forced[p],)) if p in forced
-            else self.identify(p, TRAIN_SELECT)
+            self.identify(p, TRAIN_SELECT, (forced_to[p],)) if p in forced_to else self.identify(p, TRAIN_SELECT)
             for p in sampled
         ]
         never_asked = [p for p in online if p not in self.asked and p not in sampled]
         return instructions + [self.identify(p, SELECT) for p in never_asked]
 
-    def identify(self, pid: int, task: Task) -> Instruction:
-        """``pid`` scores every cluster model (``task`` ``train_select`` also trains the best)."""
-        clusters = tuple(sorted(self.models))
+    def identify(self, pid: int, task: Task, clusters: tuple[int, ...] | None = None) -> Instruction:
+        """``pid`` scores the models of ``clusters`` (default: all; ``task`` ``train_select`` also
+        updates the best). One cluster is the guard's forcing: the client updates that model."""
+        clusters = tuple(sorted(self.models)) if clusters is None else clusters
         blocks: dict[str, list[NDArrays]] = {MODELS: [self.models[k] for k in clusters]}
         if self.sends_directions:
             blocks[DIRECTIONS] = [self.directions.get(k, self.no_direction) for k in clusters]
@@ -161,28 +186,29 @@ class IFCA(ClusteredStrategy):
             return
         previous = self.assignment.copy()
         for reply in replies:
-            if reply.task is TRAIN:  # a client given to an empty cluster
-                self.assignment[reply.pid] = reply.instruction.clusters[0]
-            else:
-                self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[protocol.SELECTED])]
+            self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[protocol.SELECTED])]
             self.asked.add(reply.pid)
+        chose = [r for r in replies if r.pid not in self.forced.values()]
         self.identity_changes = sum(
-            1 for r in replies if previous[r.pid] != UNASSIGNED and previous[r.pid] != self.assignment[r.pid]
+            1 for r in chose if previous[r.pid] != UNASSIGNED and previous[r.pid] != self.assignment[r.pid]
         )
-        self.spreads = score_spreads([r for r in replies if r.task is not TRAIN], len(self.models))
+        self.spreads = score_spreads(chose, len(self.models))
         before = dict(self.models)
         self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
         if self.sends_directions:
-            for k, model in self.models.items():
-                if model is not before[k]:
-                    self.directions[k] = [new - old for new, old in zip(model, before[k])]
+            # Lin et al., eq. 2: Δw_k^t is the mean update of cluster k's devices in iteration t;
+            # a cluster nobody updated has Δw_k = 0 (S_k = 0), not its last, stale direction.
+            self.directions = {
+                k: [new - old for new, old in zip(model, before[k])]
+                for k, model in self.models.items() if model is not before[k]
+            }
 
     def after_round(self, server_round: int) -> None:
         opts = self.options
         if server_round > opts.warmup_rounds:
             held = set(self.assignment[self.assignment != UNASSIGNED].tolist())
             empty = [k for k in sorted(self.models) if k not in held]
-            self.to_reseed = empty if opts.reseed_empty and held else []
+            self.to_reseed = empty if opts.cluster_guard == "reseed_empty" and held else []
 
     def evaluation_model(self, pid: int) -> NDArrays:
         """The model of the client's latest identity; a client without one (warm-up, or it never
@@ -199,7 +225,7 @@ class IFCA(ClusteredStrategy):
             "cluster_sizes": sizes,
             "identity_changes": self.identity_changes,
             "identified_clients": int(len(assigned)),
-            "reseeded": {str(k): p for k, p in self.reseeded.items()},
+            "forced_clients": {str(k): p for k, p in self.forced.items()},
             **self.spreads,
         }
 
