@@ -164,8 +164,11 @@ class ClusterClient(NumPyClient):
     # ---- what handlers share ----------------------------------------------------------------
 
     def load_model(self, arrays: NDArrays) -> nn.Module:
-        model = self.model_factory()
-        set_weights(model, arrays)
+        """The model with ``arrays`` as its state. Built on the meta device: a random initialisation
+        that the arrays overwrite anyway would cost more than the work on small models."""
+        with torch.device("meta"):
+            model = self.model_factory()
+        set_weights(model, arrays, assign=True)
         return model
 
     def train_model(self, model: nn.Module, server_round: int) -> float:

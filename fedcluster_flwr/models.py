@@ -86,6 +86,11 @@ MODELS: dict[str, ModelFactory] = {
     "mlp3": lambda s, c: MLP(s, c, hidden=(200, 200)),
     # Zec et al.'s (DAC) two-layer CNN: conv3x3 32, 64 + max-pool, FC 128.
     "cnn_dac": lambda s, c: ConvNet(s, c, channels=(32, 64), hidden=(128,), kernel=3, padding=1),
+    # Lin et al. (2023) name only the layer types, "three fully connected layers" (ReLU) and "two
+    # convolutional layers and a fully connected layer"; the widths are ours: McMahan et al.'s 2NN
+    # widths 784-200-200-10 (as mlp3), and PyTorch's MNIST-example CNN, conv5x5 10, 20 + max-pool, FC 50.
+    "mlp_lin": lambda s, c: MLP(s, c, hidden=(200, 200)),
+    "cnn_lin": lambda s, c: ConvNet(s, c, channels=(10, 20), hidden=(50,), kernel=5, padding=0),
     # Small models for scikit-learn's 8x8 digits.
     "mlp_digits": lambda s, c: MLP(s, c, hidden=(64,)),
     "cnn_digits": lambda s, c: ConvNet(s, c, channels=(16, 32), hidden=(64,), kernel=3, padding=1),

@@ -51,17 +51,23 @@ def get_weights(model: nn.Module) -> NDArrays:
     return [t.detach().cpu().numpy().copy() for t in model.state_dict().values()]
 
 
-def set_weights(model: nn.Module, weights: NDArrays) -> None:
-    """Load ``weights`` (in :func:`get_weights` order) into ``model``; shapes must match."""
+def set_weights(model: nn.Module, weights: NDArrays, assign: bool = False) -> None:
+    """Load ``weights`` (in :func:`get_weights` order) into ``model``; shapes must match.
+
+    ``assign``: the model's tensors become copies of ``weights`` instead of being written into,
+    as a model built on the meta device needs.
+    """
     state = model.state_dict()
     if len(weights) != len(state):
         raise ValueError(f"expected {len(state)} arrays, got {len(weights)}")
     for (name, current), array in zip(state.items(), weights):
         if tuple(current.shape) != tuple(array.shape):
             raise ValueError(f"{name}: expected shape {tuple(current.shape)}, got {array.shape}")
-    model.load_state_dict(
-        {name: torch.as_tensor(array) for name, array in zip(state.keys(), weights)}, strict=True
-    )
+    if assign:  # copies in the model's own dtypes (a float64 array must not turn a layer float64)
+        tensors = {name: torch.tensor(array, dtype=current.dtype) for (name, current), array in zip(state.items(), weights)}
+    else:
+        tensors = {name: torch.as_tensor(array) for name, array in zip(state.keys(), weights)}
+    model.load_state_dict(tensors, strict=True, assign=assign)
 
 
 @dataclass(frozen=True)

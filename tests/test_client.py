@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.client import SimulatedClientFailure
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
+from fedcluster_flwr.training import get_weights
 
 
 def config(*overrides: str):
@@ -111,3 +113,16 @@ def test_label_swapped_clients_see_their_group_labels(cfg):
 def test_partition_id_outside_the_partition_is_refused(cfg):
     with pytest.raises(ValueError, match="partition-id 99"):
         make_client(cfg, 99, 100)
+
+
+def test_a_received_model_is_a_trainable_copy_of_the_arrays_in_the_models_dtypes(cfg):
+    """Built on the meta device and assigned: real CPU float32 parameters that train, a float64
+    array does not turn a layer float64, and training never writes into the received arrays."""
+    client = make_client(cfg, 0, cfg.partition.num_clients)
+    arrays = [a.astype(np.float64) for a in initial_weights(cfg)]
+    kept = [a.copy() for a in arrays]
+    model = client.load_model(arrays)
+    assert {(p.device.type, p.dtype, p.requires_grad) for p in model.parameters()} == {("cpu", torch.float32, True)}
+    client.train_model(model, 1)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, kept))
+    assert not all(np.allclose(a, b) for a, b in zip(get_weights(model), kept))

@@ -24,6 +24,8 @@ SUPPORTED = {
     "cnn_dac": (DIGITS, MNIST, CIFAR),
     "mlp_digits": (DIGITS, MNIST, CIFAR),
     "cnn_digits": (DIGITS, MNIST, CIFAR),
+    "mlp_lin": (DIGITS, MNIST, CIFAR),
+    "cnn_lin": (MNIST, CIFAR),
 }
 
 CASES = [(name, shape) for name, shapes in SUPPORTED.items() for shape in shapes]
@@ -149,3 +151,12 @@ def test_mlp_flattens_any_input_shape():
     model = build_model("mlp_digits", CIFAR, 10)
     first = model.state_dict()["fc.0.weight"]
     assert first.shape == (64, math.prod(CIFAR))
+
+
+def test_lin_et_al_models_have_the_documented_layers():
+    """Three fully connected layers (784-200-200-10); two 5x5 conv layers (10, 20) and FC 50."""
+    mlp, cnn = build_model("mlp_lin", MNIST, 10), build_model("cnn_lin", MNIST, 10)
+    assert [tuple(p.shape) for n, p in mlp.named_parameters() if n.endswith("weight")] == [(200, 784), (200, 200), (10, 200)]
+    assert [tuple(p.shape) for n, p in cnn.named_parameters() if n.endswith("weight")] == [
+        (10, 1, 5, 5), (20, 10, 5, 5), (50, 320), (10, 50)]
+    assert (num_parameters(mlp), num_parameters(cnn)) == (199_210, 21_840)

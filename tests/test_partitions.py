@@ -393,6 +393,42 @@ def test_class_subsets_not_enough_samples_of_a_label():
     assert err.value.key == "partition.samples_per_client"
 
 
+def test_class_subsets_split_each_clusters_total_equally_over_its_clients():
+    """Lin et al.'s setting: cluster totals (17,500 and 14,500 on MNIST), each split equally and
+    at random over the cluster's clients; classes spread evenly within a cluster."""
+    opts = ClassSubsetsOptions(subsets=((0, 1, 2, 3), (4, 5, 6, 7)), cluster_sizes=(3, 5), cluster_samples=(300, 250))
+    p = partition("class_subsets", opts, num_clients=8)
+    sizes = [len(client_indices(p, c)) for c in range(8)]
+    assert sizes == [100] * 3 + [50] * 5
+    for k, members in ((0, range(3)), (1, range(3, 8))):
+        pooled = np.concatenate([client_indices(p, c) for c in members])
+        labels, counts = np.unique(LABELS[pooled], return_counts=True)
+        assert set(labels.tolist()) == set(opts.subsets[k]) and counts.max() - counts.min() <= 1
+    assert len(np.unique(np.concatenate([client_indices(p, c) for c in range(8)]))) == 550  # disjoint
+
+
+def test_class_subsets_cluster_totals_errors_name_the_key():
+    opts = ClassSubsetsOptions(subsets=((0, 1), (2, 3)), cluster_samples=(150, 150))
+    with pytest.raises(ConfigError, match="partition.cluster_samples: give either"):
+        partition("class_subsets", opts, num_clients=4, samples_per_client=20)
+    with pytest.raises(ConfigError, match="partition.cluster_samples: not enough samples of label 0"):
+        partition("class_subsets", ClassSubsetsOptions(subsets=((0, 1), (0, 2)), cluster_samples=(150, 150)), num_clients=4)
+    with pytest.raises(ConfigError, match=r"partition.cluster_samples: needs one total per entry of subsets \(2\)"):
+        from_mapping(ClassSubsetsOptions, {"subsets": [[0], [1]], "cluster_samples": [5]}, "partition")
+
+
+def test_class_subsets_default_size_is_the_largest_every_client_can_get():
+    """With 24 clients on digits-like labels (~180 per class), an equal share of the pool (74)
+    asks more of a class held by 3 of the 4 default subsets than it has; the default is the
+    largest size that fits: 8 classes x min over classes of available // holders."""
+    labels = balanced_labels(per_class=179)
+    p = partition("class_subsets", ClassSubsetsOptions(), labels=labels, num_clients=24)
+    sizes = {len(client_indices(p, c)) for c in range(24)}
+    assert sizes == {8 * (179 // 24)}  # classes 6 and 7 are in every subset: all 24 clients hold them
+    with pytest.raises(ConfigError, match="not enough samples of label"):
+        partition("class_subsets", ClassSubsetsOptions(), labels=labels, num_clients=24, samples_per_client=8 * (179 // 24) + 8)
+
+
 def test_class_subsets_label_outside_classes():
     with pytest.raises(ConfigError) as err:
         partition("class_subsets", ClassSubsetsOptions(subsets=((0, 1), (5, -1))), num_clients=4, samples_per_client=20)

@@ -119,7 +119,8 @@ class LabelGroupsOptions:
 
 @dataclass(frozen=True)
 class ClassSubsetsOptions:
-    """Cluster k holds only the classes in `subsets[k]` (uniformly)."""
+    """Cluster k holds only the classes in `subsets[k]` (uniformly): either `samples_per_client`
+    per client, or `cluster_samples[k]` in all, split equally and at random over its clients."""
 
     subsets: tuple[tuple[int, ...], ...] = (
         (0, 1, 2, 3, 4, 5, 6, 7),
@@ -128,12 +129,17 @@ class ClassSubsetsOptions:
         (0, 1, 4, 5, 6, 7, 8, 9),
     )
     cluster_sizes: tuple[int, ...] | None = None
+    cluster_samples: tuple[int, ...] | None = None
 
     def validate(self, prefix: str) -> None:
         require(len(self.subsets) >= 1, f"{prefix}.subsets", "needs at least one class subset")
         for k, subset in enumerate(self.subsets):
             require(len(subset) >= 1, f"{prefix}.subsets[{k}]", "is empty")
         _check_sizes(self.cluster_sizes, len(self.subsets), prefix, "subsets")
+        if self.cluster_samples is not None:
+            require(len(self.cluster_samples) == len(self.subsets), f"{prefix}.cluster_samples",
+                    f"needs one total per entry of subsets ({len(self.subsets)}), got {len(self.cluster_samples)}")
+            require(all(s >= 1 for s in self.cluster_samples), f"{prefix}.cluster_samples", "totals must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -168,10 +174,15 @@ def _check_sizes(sizes: Sequence[int] | None, expected: int, prefix: str, what: 
 
 
 class LabelPools:
-    """Per-label queues of shuffled pool indices, drawn without replacement."""
+    """Per-label queues of shuffled pool indices, drawn without replacement; running out is a
+    config error on ``key``, the option that sets how many samples are drawn."""
 
-    def __init__(self, labels: np.ndarray, candidates: np.ndarray, rng: np.random.Generator):
+    def __init__(
+        self, labels: np.ndarray, candidates: np.ndarray, rng: np.random.Generator,
+        key: str = "partition.samples_per_client",
+    ):
         self._labels = labels
+        self._key = key
         self._queues = {
             int(label): list(rng.permutation(candidates[labels[candidates] == label]))
             for label in np.unique(labels[candidates])
@@ -184,9 +195,9 @@ class LabelPools:
         queue = self._queues.get(label, [])
         if count > len(queue):
             raise ConfigError(
-                "partition.samples_per_client",
+                self._key,
                 f"not enough samples of label {label} left ({len(queue)} < {count}); "
-                f"lower samples_per_client or num_clients",
+                f"lower {self._key.rsplit('.', 1)[-1]} or partition.num_clients",
             )
         taken, self._queues[label] = queue[:count], queue[count:]
         return taken
@@ -393,11 +404,41 @@ def partition_label_groups(req: PartitionRequest, opts: LabelGroupsOptions) -> P
 
 
 def partition_class_subsets(req: PartitionRequest, opts: ClassSubsetsOptions) -> PartitionResult:
-    """Lin et al.: every cluster holds its own subset of the classes."""
+    """Lin et al.: every cluster holds its own subset of the classes, spread evenly over them.
+
+    With ``cluster_samples`` (the paper's setting: cluster A 17,500 MNIST samples, B 14,500) the
+    cluster's total is drawn and split equally and at random over its clients; otherwise every
+    client gets ``samples_per_client``, by default the largest size the pool can give every
+    client for any seed: q·min_k |S_k|, where q = min over classes c of ⌊available(c) / (clients
+    holding c)⌋ (a client of subset S_k then needs at most ⌈size/|S_k|⌉ ≤ q of each class).
+    """
     for k, subset in enumerate(opts.subsets):
         req.check_labels(f"partition.subsets[{k}]", subset)
-    size = req.per_client()
     true = cluster_ids(opts.cluster_sizes, len(opts.subsets), req.num_clients)
+    if opts.cluster_samples is not None:
+        require(req.samples_per_client is None, "partition.cluster_samples",
+                "give either partition.samples_per_client or partition.cluster_samples, not both")
+        pools = LabelPools(req.labels, np.arange(len(req.labels)), req.rng, key="partition.cluster_samples")
+        indices: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * req.num_clients
+        for k, total in enumerate(opts.cluster_samples):
+            members = np.flatnonzero(true == k)
+            require(total >= 2 * len(members), f"partition.cluster_samples[{k}]",
+                    f"{total} samples cannot give each of the cluster's {len(members)} clients two")
+            drawn = req.rng.permutation(draw_by_label_counts(pools, spread(total, opts.subsets[k], req.rng)))
+            for pid, part in zip(members, np.split(drawn, np.cumsum(split_counts(total, len(members)))[:-1])):
+                indices[pid] = part
+        return indices, true, [ClientTransform()] * req.num_clients
+    if req.samples_per_client is None:
+        available = np.bincount(req.labels, minlength=req.num_classes)
+        holders = np.zeros(req.num_classes, dtype=np.int64)
+        for k in true:
+            holders[list(opts.subsets[k])] += 1
+        used = holders > 0
+        per_class = int(np.min(available[used] // holders[used]))
+        size = per_class * min(len(opts.subsets[k]) for k in set(true.tolist()))
+        require(size >= 2, "partition.num_clients", f"too many clients for the classes of {len(req.labels)} samples")
+    else:
+        size = req.per_client()
     pools = LabelPools(req.labels, np.arange(len(req.labels)), req.rng)
     indices = [draw_by_label_counts(pools, spread(size, opts.subsets[k], req.rng)) for k in true]
     return indices, true, [ClientTransform()] * req.num_clients
