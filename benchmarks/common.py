@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedcluster_flwr.cli import run_experiment
 from fedcluster_flwr.config import ExperimentConfig
+from fedcluster_flwr.inprocess import run_in_process
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -24,13 +26,19 @@ def finished_summary(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def run_or_reuse(config: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
-    """The summary of ``config`` run through Flower's Ray engine into ``run_dir``; a run that
-    finished there earlier is reused (delete the folder to run it again)."""
+def run_or_reuse(config: ExperimentConfig, run_dir: Path, engine: str = "ray") -> dict[str, Any]:
+    """The summary of ``config`` run into ``run_dir`` through Flower's Ray engine (``engine``
+    "ray") or the in-process driver ("inprocess": one process, one torch thread, the same rounds
+    bit for bit); a run that finished there earlier is reused (delete the folder to run it again)."""
     if (summary := finished_summary(run_dir)) is not None:
         return summary
     started = time.perf_counter()
-    summary = run_experiment(config, run_dir, progress=False)
+    if engine == "inprocess":
+        torch.set_num_threads(1)
+        run_in_process(config, run_dir)
+        summary = finished_summary(run_dir)
+    else:
+        summary = run_experiment(config, run_dir, progress=False)
     print(f"{run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
     return summary
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_CONFIG
-from inprocess import run_in_process
+from fedcluster_flwr.inprocess import run_in_process
 from fedcluster_flwr import client as client_module
 from fedcluster_flwr.client import TaskInput, TaskOutput
 from fedcluster_flwr.config import load_config, parse_override

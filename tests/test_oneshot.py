@@ -215,7 +215,7 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     """conf/oneshot_cifar10_2tasks.yaml end to end (in process) on CIFAR-10 batches written in the
     official python format: one-shot rounds, then LeNet LPS models sharing their conv layers."""
     from conftest import ROOT
-    from inprocess import run_in_process
+    from fedcluster_flwr.inprocess import run_in_process
     from test_datasets import _write_cifar
 
     _write_cifar(tmp_path / "data", per_batch=100)

@@ -5,8 +5,9 @@ Flower's server loop, reduced to what a strategy sees: configure_fit -> each cli
 aggregate_evaluate. The clients are the real NumPyClients behind Flower's ``Client``
 wrapper, so parameters travel serialized exactly as in a simulation; only the transport
 and the thread pool are missing (replies are handed over in partition-id order, which the
-strategies do not depend on). Fast and deterministic: the behaviour-preservation test
-and quick studies use it; end-to-end tests use Ray.
+strategies do not depend on). Fast and deterministic: the behaviour-preservation test,
+seed sweeps (``benchmarks/multimodel --paper``) and quick studies use it; a slow test shows it gives
+the Ray engine's rounds bit for bit, and end-to-end tests use Ray.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from flwr.common import Code
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from fedcluster_flwr.config import ExperimentConfig
-from fedcluster_flwr.experiment import make_client, server_components
-from fedcluster_flwr.strategies import StrategySetup
+from .config import ExperimentConfig
+from .experiment import make_client, server_components
+from .strategies import StrategySetup
 
 
 class InProcessProxy(ClientProxy):
@@ -76,6 +77,7 @@ def run_in_process(
     for server_round in range(1, components.config.num_rounds + 1):
         results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit")
         strategy.aggregate_fit(server_round, results, failures)
-        results, failures = _call_all(strategy.configure_evaluate(server_round, None, manager), "evaluate")
-        strategy.aggregate_evaluate(server_round, results, failures)
+        instructions = strategy.configure_evaluate(server_round, None, manager)
+        if instructions:  # as Flower's server: no evaluation round without instructions
+            strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate"))
     return strategy
