@@ -9,7 +9,8 @@ declares. Handlers here:
   and return it with ``selected`` = its index and every model's loss (and similarity). The
   score is the loss (lowest wins: IFCA's cluster estimate; FL+HC's placement of a client
   that missed the clustering round) or, when update directions come along, Lin et al.'s
-  λ·S − (1−λ)·L (highest wins); see :func:`score_models`.
+  λ·S − (1−λ)·L (highest wins); see :func:`score_models`. With ``local_update: one_step`` the
+  chosen model takes one gradient step on the selection mini-batch instead (:func:`step_best_model`).
 * ``select``: the same choice without training (a client asked once for its identity).
 * ``gram_eigen``: the top-k eigenvectors and eigenvalues of G = (1/n) Φ(X)ᵀΦ(X) of the
   client's training images (Ali & Arafa's one-shot summary of its data).

@@ -13,8 +13,8 @@ before any of its arrays touches a model.
 task               sends                                reply arrays                        reply metrics
 =================  ===================================  ==================================  ===========================
 ``train``          ``models`` (1)                       ``model``                           ``train_loss``
-``train_select``   ``models`` (K), ``directions``       ``model`` (the chosen one, trained)  ``selected`` < K, ``loss_k``
-                   (K, optional)                                                             (+ ``similarity_k``)
+``train_select``   ``models`` (K), ``directions``       ``model`` (the chosen one,          ``selected`` < K, ``loss_k``
+                   (K, optional)                        trained or one step)                (+ ``similarity_k``)
 ``select``         ``models`` (K), ``directions``       –                                   as ``train_select``
                    (K, optional)
 ``gram_eigen``     – (Φ and k in the config)            ``eigenvectors`` (k × d),            –
