@@ -36,14 +36,19 @@ from fedcluster_flwr.inprocess import run_in_process  # noqa: E402
 from fedcluster_flwr.numerics import describe_platform, numeric_platform, same_numeric_platform  # noqa: E402
 
 FIXTURE = Path(os.environ.get("FEDCLUSTER_TRAJECTORIES") or HERE / "fixtures" / "trajectories.json")
-# strategy -> its own overrides (the default config carries FL+HC's threshold, which one-shot HFL shares)
+# case -> its strategy's overrides (the default config carries FL+HC's threshold, which one-shot HFL
+# shares); a case is named after its strategy, or after a mode of it (CASE_STRATEGY)
 STRATEGY_OVERRIDES: dict[str, tuple[str, ...]] = {
     "fedavg": (), "local": (), "oracle": (), "flhc": (),
     "ifca": (), "gradloss": ("strategy.loss_reduction=mean", "strategy.lambda=0.5"),
     "oneshot_hfl": ("strategy.threshold=null", "strategy.num_clusters=4", "strategy.shared_layers=[fc]"),
     "dac": ("strategy.num_neighbours=3",), "random_gossip": ("strategy.num_neighbours=3",),
+    # Lin et al. as published: every client every round, one gradient step, one forced per cluster
+    "gradloss_one_step": ("strategy.local_update=one_step", "strategy.cluster_guard=one_per_cluster",
+                          "strategy.client_fraction=1.0", "strategy.selection_batch=32", "client.lr=0.01"),
 }
 STRATEGIES = tuple(STRATEGY_OVERRIDES)
+CASE_STRATEGY = {"gradloss_one_step": "gradloss"}  # the strategy of a case not named after it
 # Client 3 fails in the clustering round (4) and client 17 joins late: FL+HC places both by
 # training loss (train_select); client 5 fails in a FedAvg round.
 SETTINGS = (
@@ -61,9 +66,10 @@ KEYS = FLOAT_KEYS + DISCRETE_KEYS
 FLOAT_RTOL = 1e-6
 
 
-def trajectory(strategy_name: str) -> dict:
-    """The strategy's run of :data:`SETTINGS`, one torch thread as in a simulated client."""
-    overrides = [parse_override(o) for o in (*SETTINGS, f"strategy.name={strategy_name}", *STRATEGY_OVERRIDES[strategy_name])]
+def trajectory(case: str) -> dict:
+    """The case's run of :data:`SETTINGS`, one torch thread as in a simulated client."""
+    strategy_name = CASE_STRATEGY.get(case, case)
+    overrides = [parse_override(o) for o in (*SETTINGS, f"strategy.name={strategy_name}", *STRATEGY_OVERRIDES[case])]
     config, _ = load_config(DEFAULT_CONFIG, overrides)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
