@@ -108,7 +108,7 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
     """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory."""
     import torch
 
-    from .experiment import experiment_data
+    from .experiment import experiment_data, use_configured_numerics
     from .training import cublas_workspace_problem
 
     if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
@@ -117,6 +117,7 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
         raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
     if config.simulation.deterministic and (problem := cublas_workspace_problem()):
         raise ConfigError("simulation.deterministic", problem)
+    use_configured_numerics(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)
 
 

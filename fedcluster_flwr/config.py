@@ -111,6 +111,9 @@ class SimulationConfig:
     # Deterministic GPU kernels (cuDNN, cuBLAS workspace, torch's deterministic algorithms), so that a
     # seed fixes a CUDA run as it already fixes a CPU run; no effect on CPU results.
     deterministic: bool = False
+    # Kernels every x86-64 CPU with AVX2 runs alike (numerics.PORTABLE_NUMERICS), one thread per
+    # process: a seed then fixes a CPU run bit for bit across CPU models and vendors.
+    portable_numerics: bool = False
 
     def validate(self, prefix: str) -> None:
         require(self.num_cpus_per_client > 0, join_key(prefix, "num_cpus_per_client"), "must be > 0")
@@ -341,10 +344,10 @@ class _TopLevel:
 
 def _check_experiment(config: ExperimentConfig) -> None:
     """Checks that span sections."""
-    from .models import build_model
+    from .models import model_outline
 
     try:
-        build_model(config.model.name, config.input_shape, config.num_classes)
+        model_outline(config.model.name, config.input_shape, config.num_classes)
     except ValueError as err:
         raise ConfigError(
             "model.name",

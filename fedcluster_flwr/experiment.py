@@ -21,6 +21,7 @@ from .client import ClientData, ClusterClient
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
 from .data import DatasetPool, Partition, load_pool, make_partition
 from .models import build_model, parameter_names
+from .numerics import pin_portable_numerics
 from .results import RoundRow, RunRecorder, load_checkpoint
 from .schema import ConfigError
 from .strategies import STRATEGIES, StrategySetup
@@ -91,6 +92,15 @@ def experiment_data(config: ExperimentConfig) -> tuple[DatasetPool, Partition]:
     return pool, _partition((dataset, config.partition, config.seed))
 
 
+def use_configured_numerics(config: ExperimentConfig) -> None:
+    """``simulation.portable_numerics``: pin this process's CPU kernels before its first torch op."""
+    if config.simulation.portable_numerics:
+        try:
+            pin_portable_numerics()
+        except ValueError as err:
+            raise ConfigError("simulation.portable_numerics", str(err)) from None
+
+
 def model_factory(config: ExperimentConfig) -> Callable[[], torch.nn.Module]:
     return functools.partial(build_model, config.model.name, config.input_shape, config.num_classes)
 
@@ -123,6 +133,7 @@ def server_components(
     """Strategy (from the registry) and server config for one run writing to ``run_dir``;
     with ``resume``, continue the run there from its checkpoint; with ``stop_after``, stop
     (checkpointed) after that round, leaving the run to be resumed or branched."""
+    use_configured_numerics(config)
     _, partition = experiment_data(config)
     recorder = RunRecorder(run_dir, on_round)
     if not resume:
@@ -157,6 +168,7 @@ def server_components(
 
 def make_client(config: ExperimentConfig, pid: int, num_partitions: int) -> ClusterClient:
     """The NumPyClient of partition ``pid``."""
+    use_configured_numerics(config)  # before the client's data become tensors
     if not 0 <= pid < config.partition.num_clients:
         raise ValueError(
             f"partition-id {pid} is outside 0..{config.partition.num_clients - 1} (partition.num_clients)"

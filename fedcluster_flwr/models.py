@@ -102,6 +102,13 @@ def build_model(name: str, input_shape: InputShape, num_classes: int) -> nn.Modu
     return MODELS[name](tuple(input_shape), num_classes)
 
 
+def model_outline(name: str, input_shape: InputShape, num_classes: int) -> nn.Module:
+    """Model ``name`` on the meta device: its layers, names and shapes without initialising any
+    weight (config checks use it; no CPU kernel runs before ``simulation.portable_numerics`` pins them)."""
+    with torch.device("meta"):
+        return build_model(name, input_shape, num_classes)
+
+
 def parameter_names(model: nn.Module) -> list[str]:
     """Names of the arrays exchanged with clients, in the order of :func:`get_weights`."""
     return list(model.state_dict().keys())

@@ -8,6 +8,9 @@ relative after a few rounds, not bit for bit (see the README's "Reproducibility"
 
 :func:`numeric_platform` names what decides those choices, so a recorded trajectory can say
 where it was recorded and a comparison can say whether bit-equality is to be expected.
+:func:`pin_portable_numerics` (``simulation.portable_numerics``) makes every x86-64 CPU with AVX2
+pick the same kernels: torch's AVX2 ones, MKL's vendor-neutral ``COMPATIBLE`` branch (its AVX2
+branch still differs between Intel and AMD), oneDNN capped to AVX2, one thread.
 """
 
 from __future__ import annotations
@@ -22,6 +25,32 @@ import torch
 
 # Environment variables that steer the CPU kernels' choice; recorded so a comparison can see them.
 NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+# The pins of simulation.portable_numerics. Measured: a native AVX-512 Intel Xeon and an emulated
+# AVX2 AMD EPYC-Rome (qemu) give bit-identical trajectories with these, not with MKL_CBWR=AVX2.
+PORTABLE_NUMERICS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+CAPABILITIES_WITHIN_AVX2 = ("AVX2", "DEFAULT", "NO AVX")  # what torch reports once capped (or on older CPUs)
+
+
+def pin_portable_numerics() -> None:
+    """Pin this process's CPU kernels to the ones every x86-64 CPU with AVX2 runs alike, and one
+    torch thread. Must run before the process's first torch operation (torch, MKL and oneDNN read
+    their settings once); raises ValueError if the environment sets another value or if torch has
+    already chosen wider kernels."""
+    for name, value in PORTABLE_NUMERICS.items():
+        if (current := os.environ.get(name, value)) != value:
+            raise ValueError(f"portable numerics set {name}={value}, but the environment sets {name}={current}")
+    os.environ.update(PORTABLE_NUMERICS)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in CAPABILITIES_WITHIN_AVX2:
+        raise ValueError(
+            f"this process already runs torch's {capability} kernels (it computed before the pin); "
+            f"start it with {' '.join(f'{k}={v}' for k, v in PORTABLE_NUMERICS.items())} in the environment"
+        )
+    torch.set_num_threads(1)
+
+
+def is_portable(p: dict[str, str]) -> bool:
+    return all(p.get(name.lower()) == value for name, value in PORTABLE_NUMERICS.items())
 
 
 @lru_cache(maxsize=1)
@@ -64,9 +93,10 @@ INFORMATIVE_KEYS = ("cpu_model",)
 
 
 def same_numeric_platform(a: dict[str, str], b: dict[str, str]) -> bool:
-    """Whether runs on ``a`` and ``b`` pick the same kernels (everything but the CPU model matches)."""
-    keys = (set(a) | set(b)) - set(INFORMATIVE_KEYS)
-    return all(a.get(k) == b.get(k) for k in keys)
+    """Whether runs on ``a`` and ``b`` pick the same kernels: everything but the CPU model matches,
+    or, with portable numerics on both, everything but the CPU's vendor and model."""
+    ignored = set(INFORMATIVE_KEYS) | ({"cpu_vendor"} if is_portable(a) and is_portable(b) else set())
+    return all(a.get(k) == b.get(k) for k in (set(a) | set(b)) - ignored)
 
 
 def describe_platform(p: dict[str, str]) -> str:

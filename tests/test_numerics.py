@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import test_behaviour_preserved
 import trajectories
-from fedcluster_flwr.numerics import describe_platform, numeric_platform, same_numeric_platform
+from conftest import DEFAULT_CONFIG
+from fedcluster_flwr.numerics import (
+    CAPABILITIES_WITHIN_AVX2,
+    PORTABLE_NUMERICS,
+    describe_platform,
+    is_portable,
+    numeric_platform,
+    pin_portable_numerics,
+    same_numeric_platform,
+)
 
 
 def test_the_fingerprint_names_what_selects_the_kernels():
@@ -40,3 +53,41 @@ def test_re_recording_some_strategies_on_another_platform_is_refused(tmp_path, m
     fixture.write_text(json.dumps({"platform": other, "trajectories": {}}))
     with pytest.raises(SystemExit, match="re-record all strategies"):
         trajectories.record(fixture, only=["fedavg"])
+
+
+def test_portable_numerics_pin_the_kernels_of_a_fresh_process_to_avx2_compatible_and_one_thread():
+    code = (
+        "import json, torch\n"
+        "from fedcluster_flwr.config import load_config, parse_override\n"
+        "from fedcluster_flwr.experiment import make_client\n"
+        "from fedcluster_flwr.numerics import numeric_platform\n"
+        f"config, _ = load_config({str(DEFAULT_CONFIG)!r}, [parse_override('simulation.portable_numerics=true')])\n"
+        "make_client(config, 0, config.partition.num_clients)\n"
+        "print(json.dumps(numeric_platform() | {'threads': torch.get_num_threads()}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_NUMERICS}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pinned = json.loads(done.stdout.strip().splitlines()[-1])
+    assert is_portable(pinned) and pinned["threads"] == 1
+    assert pinned["cpu_capability"] in CAPABILITIES_WITHIN_AVX2
+
+
+def test_portable_numerics_refuse_a_conflicting_environment_and_a_process_that_already_chose(monkeypatch):
+    for name in PORTABLE_NUMERICS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    with pytest.raises(ValueError, match="portable numerics set MKL_CBWR=COMPATIBLE, but the environment sets MKL_CBWR=AVX2"):
+        pin_portable_numerics()
+    assert "ATEN_CPU_CAPABILITY" not in os.environ  # nothing half-set
+    monkeypatch.delenv("MKL_CBWR")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with pytest.raises(ValueError, match="already runs torch's AVX512 kernels .* start it with ATEN_CPU_CAPABILITY=avx2"):
+        pin_portable_numerics()
+
+
+def test_a_portable_platform_matches_across_cpu_vendors_and_an_unpinned_one_does_not():
+    here = numeric_platform()
+    pinned = here | {name.lower(): value for name, value in PORTABLE_NUMERICS.items()} | {"cpu_capability": "AVX2"}
+    assert same_numeric_platform(pinned, pinned | {"cpu_vendor": "AuthenticAMD", "cpu_model": "AMD EPYC 7B12"})
+    assert not same_numeric_platform(here, here | {"cpu_vendor": "AuthenticAMD"})

@@ -41,7 +41,7 @@ from .. import protocol
 from ..aggregation import average_layers
 from ..clustering import HacResult, cluster_by_relevance, relevance_matrix, within_and_across
 from ..features import check_weights_file, feature_dim
-from ..models import build_model, parameter_names, parameters_with_prefixes
+from ..models import model_outline, parameter_names, parameters_with_prefixes
 from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ..results import plot_dendrogram, plot_similarity
 from ..schema import require
@@ -66,7 +66,7 @@ class HFLOptions:
         require(self.lps_rounds >= 1, f"{prefix}.lps_rounds", f"must be >= 1, got {self.lps_rounds}")
 
     def check_experiment(self, config: Any) -> None:
-        names = parameter_names(build_model(config.model.name, config.input_shape, config.num_classes))
+        names = parameter_names(model_outline(config.model.name, config.input_shape, config.num_classes))
         parameters_with_prefixes(names, self.shared_layers, "strategy.shared_layers")
 
 
