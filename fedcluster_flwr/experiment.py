@@ -21,7 +21,7 @@ from .client import ClientData, ClusterClient
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
 from .data import DatasetPool, Partition, load_pool, make_partition
 from .models import build_model, parameter_names
-from .numerics import pin_portable_numerics
+from .numerics import numeric_platform, pin_portable_numerics
 from .results import RoundRow, RunRecorder, load_checkpoint
 from .schema import ConfigError
 from .strategies import STRATEGIES, StrategySetup
@@ -156,6 +156,7 @@ def server_components(
         checkpoint_every=config.checkpoint_every,
         timeout_s=config.simulation.round_timeout_s,
         stop_round=stop_after,
+        numeric_platform=numeric_platform(),
     )
     strategy = STRATEGIES[config.strategy.name](config.strategy.options, setup)
     if resume:

@@ -11,7 +11,11 @@ DEFAULT_CONFIG = ROOT / "conf" / "default.yaml"
 
 
 def pytest_report_header(config):
-    """Say how the behaviour-preservation fixture is compared on this machine."""
-    from test_behaviour_preserved import comparison_mode
+    """Say where the behaviour-preservation fixture was recorded."""
+    from trajectories import load_fixture
 
-    return f"behaviour fixture: {comparison_mode()[1]}"
+    from fedcluster_flwr.numerics import describe_platform, is_portable
+
+    platform = load_fixture()["platform"]
+    how = "portable numerics: bit for bit on x86-64 CPUs with AVX2" if is_portable(platform) else "this platform only"
+    return f"behaviour fixture: recorded on {describe_platform(platform)} ({how}); each test names its mode"

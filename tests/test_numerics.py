@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-import test_behaviour_preserved
 import trajectories
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.numerics import (
@@ -37,22 +36,22 @@ def test_platforms_differing_only_in_the_cpu_model_pick_the_same_kernels():
     assert not same_numeric_platform(here, here | {"aten_cpu_capability": "avx2", "cpu_model": here["cpu_model"]})
 
 
-def test_the_fixture_is_compared_bit_for_bit_only_on_its_own_platform(monkeypatch):
+def test_the_fixture_is_compared_bit_for_bit_only_on_its_own_platform():
     recorded = trajectories.load_fixture()["platform"]
-    monkeypatch.setattr(test_behaviour_preserved, "numeric_platform", lambda: dict(recorded))
-    exact, mode = test_behaviour_preserved.comparison_mode()
+    exact, mode = trajectories.comparison_mode(recorded, dict(recorded))
     assert exact and "bit for bit" in mode
-    monkeypatch.setattr(test_behaviour_preserved, "numeric_platform", lambda: recorded | {"cpu_vendor": "AuthenticAMD"})
-    exact, mode = test_behaviour_preserved.comparison_mode()
+    exact, mode = trajectories.comparison_mode(recorded, recorded | {"torch": "0.0.1"})
     assert not exact and "rtol" in mode and "recorded on" in mode
 
 
-def test_re_recording_some_strategies_on_another_platform_is_refused(tmp_path, monkeypatch):
+def test_re_recording_some_cases_on_another_platform_is_refused(tmp_path):
     fixture = tmp_path / "fixture.json"
-    other = numeric_platform() | {"cpu_capability": "SOMETHING_ELSE"}
+    other = numeric_platform() | {"torch": "0.0.1"}
     fixture.write_text(json.dumps({"platform": other, "trajectories": {}}))
-    with pytest.raises(SystemExit, match="re-record all strategies"):
-        trajectories.record(fixture, only=["fedavg"])
+    done = subprocess.run([sys.executable, trajectories.__file__, "--out", str(fixture), "--only", "fedavg"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "re-record all cases (drop --only)" in done.stderr
+    assert json.loads(fixture.read_text())["platform"] == other  # left as it was
 
 
 def test_portable_numerics_pin_the_kernels_of_a_fresh_process_to_avx2_compatible_and_one_thread():

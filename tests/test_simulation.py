@@ -12,6 +12,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.cli import continue_run, run_experiment
 from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.numerics import is_portable
 from fedcluster_flwr.results import read_rounds
 
 pytestmark = pytest.mark.slow
@@ -217,3 +218,21 @@ def test_the_in_process_driver_reproduces_the_ray_engine_bit_for_bit(tmp_path):
         assert {k: ours[k] for k in KEYS} == {k: theirs[k] for k in KEYS}, ours["round"]
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["assignment"] == in_process.assignment.tolist()
+
+
+def test_portable_numerics_reach_every_process_of_a_ray_run(tmp_path):
+    """`fedcluster run` with portable numerics (the driver and every Ray worker pinned) gives the
+    behaviour fixture's FL+HC trajectory, recorded in one pinned process: bit for bit on the
+    fixture's platform, which on this AVX-512 machine would differ (~1e-8) if any process were unpinned."""
+    from trajectories import KEYS, PORTABLE, SETTINGS, assert_matches, comparison_mode, load_fixture
+
+    out = tmp_path / "flhc"
+    sets = [item for override in (*SETTINGS, PORTABLE, "strategy.name=flhc") for item in ("--set", override)]
+    result = cli("run", str(DEFAULT_CONFIG), *sets, "--out", str(out), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    fixture = load_fixture()
+    summary = json.loads((out / "summary.json").read_text())
+    assert is_portable(summary["numeric_platform"])
+    exact, mode = comparison_mode(fixture["platform"], summary["numeric_platform"])
+    now = {"rounds": [{k: row[k] for k in KEYS} for row in read_rounds(out)], "assignment": summary["assignment"]}
+    assert_matches("flhc through Ray", now, fixture["trajectories"]["flhc"], exact, mode)

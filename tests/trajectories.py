@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +59,10 @@ SETTINGS = (
     "simulation.fail_fit={3: [4], 5: [2]}",
     "simulation.join_round={17: 6}",
 )
+# Recorded with portable numerics (numerics.PORTABLE_NUMERICS): the same bits on every x86-64 CPU with
+# AVX2; they must be pinned before a process's first torch op, so comparisons run trajectories in a
+# fresh process (``compute_in_fresh_process``).
+PORTABLE = "simulation.portable_numerics=true"
 DISCRETE_KEYS = ("num_clusters", "fit_failures", "rejected_updates", "bytes_up", "bytes_down")
 FLOAT_KEYS = ("mean_client_accuracy", "mean_test_loss")
 KEYS = FLOAT_KEYS + DISCRETE_KEYS
@@ -69,7 +75,7 @@ FLOAT_RTOL = 1e-6
 def trajectory(case: str) -> dict:
     """The case's run of :data:`SETTINGS`, one torch thread as in a simulated client."""
     strategy_name = CASE_STRATEGY.get(case, case)
-    overrides = [parse_override(o) for o in (*SETTINGS, f"strategy.name={strategy_name}", *STRATEGY_OVERRIDES[case])]
+    overrides = [parse_override(o) for o in (*SETTINGS, PORTABLE, f"strategy.name={strategy_name}", *STRATEGY_OVERRIDES[case])]
     config, _ = load_config(DEFAULT_CONFIG, overrides)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -85,28 +91,63 @@ def trajectory(case: str) -> dict:
     }
 
 
+def compute_in_fresh_process(out: Path) -> dict:
+    """Every case's trajectory, recorded by a new Python process into ``out`` (as the fixture)."""
+    done = subprocess.run([sys.executable, str(Path(__file__)), "--out", str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"recording the trajectories failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return load_fixture(out)
+
+
+def comparison_mode(recorded: dict, current: dict) -> tuple[bool, str]:
+    """(exact?, a sentence saying which comparison runs and why) for platforms ``recorded`` and ``current``."""
+    if same_numeric_platform(recorded, current):
+        return True, f"bit for bit (the fixture's platform: {describe_platform(current)})"
+    return False, (
+        f"discrete values exact, floats to rtol {FLOAT_RTOL:g}: recorded on {describe_platform(recorded)}, "
+        f"this is {describe_platform(current)}"
+    )
+
+
+def assert_matches(case: str, now: dict, recorded: dict, exact: bool, mode: str) -> None:
+    """``now`` is ``recorded``: bit for bit where ``exact``, else discrete values equal and floats close."""
+    assert now["assignment"] == recorded["assignment"], f"{case}: final assignment differs ({mode})"
+    for rnd, (got, expected) in enumerate(zip(now["rounds"], recorded["rounds"], strict=True), start=1):
+        where = f"{case}, round {rnd} ({mode})"
+        if exact:
+            assert got == expected, where  # floats compared exactly, not approximately
+            continue
+        assert {k: got[k] for k in DISCRETE_KEYS} == {k: expected[k] for k in DISCRETE_KEYS}, where
+        np.testing.assert_allclose(
+            [got[k] for k in FLOAT_KEYS], [expected[k] for k in FLOAT_KEYS], rtol=FLOAT_RTOL, atol=0, err_msg=where
+        )
+
+
 def load_fixture(path: Path = FIXTURE) -> dict:
     """``{"platform": ..., "trajectories": {strategy: trajectory}}``."""
     return json.loads(path.read_text())
 
 
 def record(path: Path, only: list[str] | None = None) -> None:
-    """Record every strategy (or ``only`` these, keeping the others from ``path``) on this platform."""
+    """Record every case (or ``only`` these, keeping the others from ``path``) on this platform.
+
+    The trajectories come first: they pin the process's numerics, which the platform then shows.
+    """
     names = list(STRATEGIES) if only is None else only
     unknown = sorted(set(names) - set(STRATEGIES))
     if unknown:
-        raise SystemExit(f"unknown strategies {unknown}; recorded ones: {', '.join(STRATEGIES)}")
-    recorded = {}
+        raise SystemExit(f"unknown cases {unknown}; recorded ones: {', '.join(STRATEGIES)}")
+    trajectories = {name: trajectory(name) for name in names}
+    platform = numeric_platform()
     if only is not None and path.exists():
         existing = load_fixture(path)
-        if not same_numeric_platform(existing["platform"], numeric_platform()):
+        if not same_numeric_platform(existing["platform"], platform):
             raise SystemExit(
                 f"{path} was recorded on {describe_platform(existing['platform'])}; this is "
-                f"{describe_platform(numeric_platform())}: re-record all strategies (drop --only)"
+                f"{describe_platform(platform)}: re-record all cases (drop --only)"
             )
-        recorded = existing["trajectories"]
-    recorded.update({name: trajectory(name) for name in names})
-    fixture = {"platform": numeric_platform(), "trajectories": {n: recorded[n] for n in STRATEGIES if n in recorded}}
+        trajectories = existing["trajectories"] | trajectories
+    fixture = {"platform": platform, "trajectories": {n: trajectories[n] for n in STRATEGIES if n in trajectories}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(fixture, indent=1) + "\n")
     print(f"wrote {path} ({', '.join(names)})")

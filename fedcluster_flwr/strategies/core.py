@@ -87,6 +87,7 @@ class StrategySetup:
     init_weights: Callable[[int], NDArrays] | None = None  # a freshly initialised model for a seed
     input_shape: tuple[int, ...] | None = None  # of the dataset's images (C, H, W)
     stop_round: int | None = None  # stop (and checkpoint) after this round, before ``rounds``: a shared prefix
+    numeric_platform: Mapping[str, str] | None = None  # the server process's (numerics.numeric_platform)
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -168,7 +169,7 @@ class ClusteredStrategy(Strategy):
         self.directory = ClientDirectory(setup.num_clients, setup.join_round, setup.wait_for_clients_s, setup.timeout_s)
         self.log = RoundLog(
             setup.recorder, setup.true_clusters, setup.target_accuracy, setup.rounds, setup.checkpoint_every,
-            setup.stop_round,
+            setup.stop_round, setup.numeric_platform,
         )
         self.round_offset = 0  # rounds already done when resuming: Flower's round r is round r + offset
         self._sent: dict[int, tuple[Instruction, Sent]] = {}

@@ -64,8 +64,10 @@ class RoundLog:
         rounds: int,
         checkpoint_every: int,
         stop_round: int | None = None,
+        numeric_platform: Mapping[str, str] | None = None,
     ) -> None:
         self.recorder = recorder
+        self.numeric_platform = dict(numeric_platform or {})
         self.stop_round = stop_round
         self.true_clusters = true_clusters
         self.target_accuracy = target_accuracy
@@ -183,6 +185,7 @@ class RoundLog:
             "client_accuracy": {str(p): a for p, a in sorted(self.latest_accuracy.items())},
             **self.totals,
             "wall_seconds": self.wall_seconds(),
+            "numeric_platform": self.numeric_platform,
         }
 
     def wall_seconds(self) -> float:
