@@ -11,10 +11,11 @@ declares. Handlers here:
   that missed the clustering round) or, when update directions come along, Lin et al.'s
   λ·S − (1−λ)·L (highest wins); see :func:`score_models`.
 * ``select``: the same choice without training (a client asked once for its identity).
-* ``gram_eigen``: the top-k eigenvectors and eigenvalues of G = (1/n) Φ(X)ᵀΦ(X) of the
-  client's training images (Ali & Arafa's one-shot summary of its data).
-* ``relevance``: given every client's eigenpairs, the client's row r(i, ·) of the relevance
-  matrix (see :func:`~fedcluster_flwr.clustering.relevance_row`).
+* ``gram_eigen``: the top-k eigenvectors of G = (1/n) Φ(X)ᵀΦ(X) of the client's training images
+  (Ali & Arafa's one-shot summary of its data), and their eigenvalues when the instruction says
+  ``share_eigenvalues`` (Amiri et al.'s relevance needs them; the paper's does not).
+* ``relevance``: given every client's eigenvectors (and eigenvalues, when shared), the client's
+  row r(i, ·) of the relevance matrix (see :func:`~fedcluster_flwr.clustering.relevance_row`).
 * ``gossip_train``: given its own model and m neighbours' models, the loss of each neighbour
   model on the client's training data, then FedAvg of all m + 1 models by sample counts, then
   local training of the merged model (Zec et al.'s DAC step).
@@ -271,14 +272,23 @@ def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOut
 @handles(protocol.GRAM_EIGEN)
 def top_gram_eigenpairs(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     vectors, values = top_eigenpairs(client.gram(inputs.config), int(inputs.config[protocol.NUM_EIGENVECTORS_KEY]))
-    blocks = {protocol.EIGENVECTORS: [vectors.float().numpy()], protocol.EIGENVALUES: [values.float().numpy()]}
+    shared_values = [values.float().numpy()] if inputs.config[protocol.SHARE_EIGENVALUES_KEY] else []
+    blocks = {protocol.EIGENVECTORS: [vectors.float().numpy()], protocol.EIGENVALUES: shared_values}
     return TaskOutput(blocks, client.num_train)
 
 
 @handles(protocol.RELEVANCE_ROW)
 def relevance_to_every_client(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
-    eigenpairs = [(vectors, values) for vectors, values in inputs.blocks[protocol.EIGENVECTORS]]
-    row = relevance_row(client.gram(inputs.config).numpy(), eigenpairs)
+    summaries = inputs.blocks[protocol.EIGENVECTORS]
+    shared = bool(inputs.config[protocol.SHARE_EIGENVALUES_KEY])
+    expected = 2 if shared else 1  # [vectors, values] or [vectors]
+    if any(len(item) != expected for item in summaries):
+        raise protocol.ProtocolError(
+            f"task relevance: with {protocol.SHARE_EIGENVALUES_KEY}={shared} each summary holds {expected} arrays, "
+            f"got {sorted({len(item) for item in summaries})}"
+        )
+    values = [item[1] for item in summaries] if shared else None
+    row = relevance_row(client.gram(inputs.config).numpy(), [item[0] for item in summaries], values)
     return TaskOutput({protocol.RELEVANCE: [row.astype(np.float32)]}, client.num_train)
 
 

@@ -28,7 +28,9 @@ FIXTURE = HERE / "fixtures" / "trajectories.json"
 STRATEGY_OVERRIDES: dict[str, tuple[str, ...]] = {
     "fedavg": (), "local": (), "oracle": (), "flhc": (),
     "ifca": (), "gradloss": ("strategy.loss_reduction=mean", "strategy.lambda=0.5"),
-    "oneshot_hfl": ("strategy.threshold=null", "strategy.num_clusters=4", "strategy.shared_layers=[fc]"),
+    # amiri: the relevance rule this entry was recorded with (the paper's rule, now the default, sends no eigenvalues)
+    "oneshot_hfl": ("strategy.threshold=null", "strategy.num_clusters=4", "strategy.shared_layers=[fc]",
+                    "strategy.relevance=amiri"),
     "dac": ("strategy.num_neighbours=3",), "random_gossip": ("strategy.num_neighbours=3",),
 }
 STRATEGIES = tuple(STRATEGY_OVERRIDES)
