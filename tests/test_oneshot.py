@@ -160,7 +160,7 @@ def test_random_projection_is_the_same_for_every_client_with_the_seed():
 def test_pretrained_features_read_a_weights_file_and_never_download(tmp_path):
     import torchvision
 
-    with pytest.raises(ConfigError, match=f"strategy.pretrained_weights: expected the ResNet-18 weights file at {tmp_path}/missing.pth"):
+    with pytest.raises(ConfigError, match=f"strategy.pretrained_weights: expected the ImageNet ResNet-18 weights at {tmp_path}/missing.pth"):
         feature_map("pretrained", (1, 28, 28), 512, 0, str(tmp_path / "missing.pth"))
     torch.manual_seed(0)
     weights = tmp_path / "resnet18.pth"
@@ -245,7 +245,7 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
 
     _write_cifar(tmp_path / "data", per_batch=100)
     overrides = [f"dataset.data_dir={tmp_path / 'data'}", "partition.samples_per_client=20", "rounds=3",
-                 "strategy.features=random_projection", "strategy.feature_dim=64"]
+                 "strategy.features=random_projection", "strategy.feature_dim=64", "strategy.pretrained_weights=null"]
     config, _ = load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml", [parse_override(o) for o in overrides])
     strategy = run_in_process(config, tmp_path / "run")
     rows = strategy.setup.recorder.rows
@@ -256,6 +256,28 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     for i in conv:  # the GPS made the conv layers identical across the two LPS models
         np.testing.assert_array_equal(strategy.models[0][i], strategy.models[1][i])
     assert not np.array_equal(strategy.models[0][-1], strategy.models[1][-1])  # the classifier stays per LPS
+
+
+def test_the_cifar10_conf_takes_pretrained_features_and_says_where_the_missing_weights_go(tmp_path, monkeypatch):
+    """The paper's CIFAR-10 features come from an ImageNet-pretrained ResNet-18: the conf asks for
+    torchvision's file where torchvision keeps it, and without it stops with one line saying what
+    to download from where, and where to put it."""
+    from conftest import ROOT
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ of the conf's path: an empty home
+    with pytest.raises(ConfigError) as raised:
+        load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml")
+    message = str(raised.value)
+    expected = tmp_path / ".cache" / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    assert message == (
+        f"strategy.pretrained_weights: expected the ImageNet ResNet-18 weights at {expected}, which does not exist: "
+        "download torchvision's resnet18-f37072fd.pth from https://download.pytorch.org/models/resnet18-f37072fd.pth "
+        "and put it there (or set strategy.pretrained_weights to where it is)"
+    )
+    expected.parent.mkdir(parents=True)
+    torch.save(torch.nn.Linear(1, 1).state_dict(), expected)  # a file there: the conf loads (its contents are read by the client)
+    config, _ = load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml")
+    assert config.strategy.options.features == "pretrained"
 
 
 # ---- the one-shot phase with synthetic clients: failures, restarts, checkpoints --------------------
