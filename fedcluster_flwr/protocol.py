@@ -12,7 +12,8 @@ before any of its arrays touches a model.
 =================  ===================================  ==================================  ===========================
 task               sends                                reply arrays                        reply metrics
 =================  ===================================  ==================================  ===========================
-``train``          ``models`` (1)                       ``model``                           ``train_loss``
+``train``          ``models`` (1), ``epochs``           ``model``                           ``train_loss``
+                   (optional)
 ``train_select``   ``models`` (K), ``directions``       ``model`` (the chosen one, trained)  ``selected`` < K, ``loss_k``
                    (K, optional)                                                             (+ ``similarity_k``)
 ``select``         ``models`` (K), ``directions``       –                                   as ``train_select``
@@ -25,6 +26,7 @@ task               sends                                reply arrays            
                    with ``share_eigenvalues``)
 ``gossip_train``   ``models`` (own + m neighbours),     ``model`` (own, trained)            ``loss_j``, j < m, finite
                    ``samples_j`` in the config
+                   (+ ``merge_lowest``, optional)
 ``evaluate``       ``models`` (1)                       –                                   ``accuracy`` in [0, 1]
                                                                                              (+ finite ``val_loss``)
 =================  ===================================  ==================================  ===========================
@@ -63,6 +65,8 @@ SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the loss
 LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
 LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
 SAMPLES_KEY = "samples"  # gossip_train: samples_j, the training samples behind neighbour j's model
+MERGE_LOWEST_KEY = "merge_lowest"  # gossip_train (optional): merge only this many neighbours, those of lowest loss (PENS)
+EPOCHS_KEY = "epochs"  # train (optional): local epochs instead of the client's own (client.epochs), e.g. pretraining
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"

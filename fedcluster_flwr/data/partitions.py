@@ -84,6 +84,10 @@ class LabelSwapOptions:
                     f"expected two different labels, got {list(pair)}",
                 )
 
+    def cluster_name(self, k: int) -> str:
+        a, b = self.swaps[k] if self.swaps is not None else (2 * k, 2 * k + 1)
+        return f"swap {a}↔{b}"
+
 
 @dataclass(frozen=True)
 class RotationOptions:
@@ -95,6 +99,9 @@ class RotationOptions:
     def validate(self, prefix: str) -> None:
         require(len(self.angles) >= 1, f"{prefix}.angles", "needs at least one angle")
         _check_sizes(self.cluster_sizes, len(self.angles), prefix, "angles")
+
+    def cluster_name(self, k: int) -> str:
+        return f"{self.angles[k]:g}°"
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,9 @@ class LabelGroupsOptions:
         )
         _check_sizes(self.cluster_sizes, len(self.groups), prefix, "groups")
 
+    def cluster_name(self, k: int) -> str:
+        return "labels " + ",".join(map(str, self.groups[k]))
+
 
 @dataclass(frozen=True)
 class ClassSubsetsOptions:
@@ -134,6 +144,9 @@ class ClassSubsetsOptions:
         for k, subset in enumerate(self.subsets):
             require(len(subset) >= 1, f"{prefix}.subsets[{k}]", "is empty")
         _check_sizes(self.cluster_sizes, len(self.subsets), prefix, "subsets")
+
+    def cluster_name(self, k: int) -> str:
+        return "classes " + ",".join(map(str, self.subsets[k]))
 
 
 @dataclass(frozen=True)
@@ -498,6 +511,13 @@ def make_partition(
         transforms=tuple(transforms),
         val_indices=tuple(val),
     )
+
+
+def cluster_names(options: Any, num_clusters: int) -> tuple[str, ...]:
+    """What each true cluster is, for plots ("180°", "labels 0,1,8,9"), from the partitioner's
+    options; "cluster k" where a partitioner's clusters have no other name."""
+    name = getattr(options, "cluster_name", None)
+    return tuple(name(k) if callable(name) else f"cluster {k}" for k in range(num_clusters))
 
 
 def option_fields(name: str) -> list[str]:

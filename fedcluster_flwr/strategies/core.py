@@ -87,6 +87,7 @@ class StrategySetup:
     init_weights: Callable[[int], NDArrays] | None = None  # a freshly initialised model for a seed
     input_shape: tuple[int, ...] | None = None  # of the dataset's images (C, H, W)
     stop_round: int | None = None  # stop (and checkpoint) after this round, before ``rounds``: a shared prefix
+    cluster_names: Sequence[str] | None = None  # what each true cluster is, by id ("180°"), for plots
 
     @property
     def model_spec(self) -> ModelSpec:

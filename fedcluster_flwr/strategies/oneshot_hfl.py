@@ -47,7 +47,7 @@ from ..clustering import HacResult, cluster_by_relevance, relevance_matrix, with
 from ..features import check_weights_file, feature_dim
 from ..models import build_model, parameter_names, parameters_with_prefixes
 from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
-from ..results import plot_dendrogram, plot_similarity
+from ..results import plot_client_matrix, plot_dendrogram
 from ..schema import require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_clusters_fit, require_fraction
@@ -396,18 +396,19 @@ class OneShotHFL(HierarchicalFL):
                 self.rows[int(pid)] = arrays[0]
 
     def write_artifacts(self) -> None:
-        """``relevance.npy`` (R over ``clustered_clients``), ``similarity.png`` (R ordered by
-        cluster, then true task) and ``dendrogram.png``."""
+        """``relevance.npy`` (R over ``clustered_clients``), ``similarity.png`` (R, clients ordered by
+        true task, with the clusters found beside it) and ``dendrogram.png``."""
         if self.relevance is None:
             return
         run_dir = self.setup.recorder.run_dir
         np.save(run_dir / "relevance.npy", self.relevance)
         true = self.setup.true_clusters[self.clustered_pids]
-        labels = [f"{p}:{t}" for p, t in zip(self.clustered_pids, true)]
         found = self.assignment[self.clustered_pids]
-        order = np.lexsort((np.asarray(self.clustered_pids), true, found))
-        plot_similarity(self.relevance, labels, order, run_dir / "similarity.png",
-                        f"relevance R, ordered by cluster ({self.options.features}, k={self.options.num_eigenvectors})")
+        plot_client_matrix(self.relevance, true, self.setup.cluster_names, run_dir / "similarity.png",
+                           f"relevance R ({self.options.relevance} rule, {self.options.features}, "
+                           f"k={self.options.num_eigenvectors}); strip: the {self.hac.num_clusters if self.hac else 0} clusters found",
+                           "R", clients=self.clustered_pids, found=found)
         if self.hac is not None and len(self.hac.linkage):
+            labels = [f"{p}:{t}" for p, t in zip(self.clustered_pids, true)]
             plot_dendrogram(self.hac.linkage, labels, self.options.threshold, run_dir / "dendrogram.png",
                             f"one-shot clustering of 1 - R ({self.options.linkage} linkage)")
