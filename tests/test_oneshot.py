@@ -185,6 +185,8 @@ def test_config_errors_name_the_key():
         load("strategy.threshold=null", "strategy.num_clusters=2", "rounds=2")
     with pytest.raises(ConfigError, match="strategy.threshold: must be in \\(0, 1\\)"):
         load("strategy.threshold=20.0")
+    with pytest.raises(ConfigError, match="strategy.relevance: expected one of paper, amiri; got 'eq3'"):
+        load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.relevance=eq3")
 
 
 # ---- the GPS ----------------------------------------------------------------------------------------
