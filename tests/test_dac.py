@@ -431,3 +431,27 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
             assert resumed.neighbour_sets.any()
         else:
             np.testing.assert_array_equal(resumed.reference_table, strategy.reference_table)
+
+
+def test_pens_and_the_reference_two_hop_run_on_real_clients(tmp_path):
+    """PENS and DAC with the reference code's two-hop estimates, end to end on real digits clients
+    (in process): pretraining, selection with merge_lowest, gossip among the kept; nothing refused."""
+    from inprocess import run_in_process
+
+    settings = ("rounds=6", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[14,6]",
+                "strategy.client_fraction=1.0", "strategy.num_neighbours=3", "client.epochs=1")
+    for name, extra in (("pens", ("strategy.num_kept=1", "strategy.selection_rounds=3")),
+                        ("dac", ("strategy.two_hop_estimate=reference",))):
+        config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*settings, f"strategy.name={name}", *extra)])
+        strategy = run_in_process(config, tmp_path / name)
+        rows = strategy.setup.recorder.rows
+        assert sum(r["rejected_updates"] + r["fit_failures"] for r in rows) == 0
+        assert rows[0]["phase"] == "pretrain" and strategy.exchanges == 5
+        if name == "pens":
+            assert [r["phase"] for r in rows[1:]] == ["pens_selection"] * 3 + ["pens_gossip"] * 2
+            assert strategy.kept_counts.sum() == 3 * 20 * 1 and strategy.neighbour_sets.any(axis=1).all()
+            # 3 selection rounds of 3 random draws each, then 2 gossip rounds of min(3, kept set) draws
+            kept = strategy.neighbour_sets.sum(axis=1)
+            assert strategy.communication.sum() == 3 * 20 * 3 + 2 * int(np.minimum(kept, 3).sum())
+        else:
+            assert np.isfinite(strategy.estimate[~np.eye(20, dtype=bool)]).mean() > 0.9  # most pairs estimated
