@@ -1,4 +1,4 @@
-"""Sample-weighted averaging of models, streamed one model at a time."""
+"""Sample-weighted averaging of models, streamed one model at a time, and which models to average."""
 
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ def average_layers(models: Mapping[int, NDArrays], weights: Mapping[int, float],
     shared = weighted_mean(([models[k][i] for i in indices] for k in keys), [weights[k] for k in keys], dtypes)
     replaced = dict(zip(indices, shared))
     return {k: [replaced.get(i, array) for i, array in enumerate(models[k])] for k in keys}
+
+
+def lowest(values: Sequence[float], count: int) -> list[int]:
+    """Indices of the ``count`` smallest ``values`` in increasing order, ties by position: the
+    neighbour models a PENS client merges (lowest loss on its data). The client merges them and the
+    relay counts them with this one rule, so both sides name the same models."""
+    return [int(i) for i in np.argsort(np.asarray(values, dtype=np.float64), kind="stable")[:count]]

@@ -4,7 +4,8 @@ The client unpacks an instruction with the codec of :mod:`fedcluster_flwr.protoc
 up the handler registered for its task and packs the handler's reply in the order the task
 declares. Handlers here:
 
-* ``train``: load the one model received, train it locally, return it.
+* ``train``: load the one model received, train it locally (``client.epochs``, or the
+  instruction's ``epochs``, e.g. a gossip client's pretraining), return it.
 * ``train_select``: score each received model on the local *training* data, train the best
   and return it with ``selected`` = its index and every model's loss (and similarity). The
   score is the loss (lowest wins: IFCA's cluster estimate; FL+HC's placement of a client
@@ -12,13 +13,15 @@ declares. Handlers here:
   λ·S − (1−λ)·L (highest wins); see :func:`score_models`. With ``local_update: one_step`` the
   chosen model takes one gradient step on the selection mini-batch instead (:func:`step_best_model`).
 * ``select``: the same choice without training (a client asked once for its identity).
-* ``gram_eigen``: the top-k eigenvectors and eigenvalues of G = (1/n) Φ(X)ᵀΦ(X) of the
-  client's training images (Ali & Arafa's one-shot summary of its data).
-* ``relevance``: given every client's eigenpairs, the client's row r(i, ·) of the relevance
-  matrix (see :func:`~fedcluster_flwr.clustering.relevance_row`).
+* ``gram_eigen``: the top-k eigenvectors of G = (1/n) Φ(X)ᵀΦ(X) of the client's training images
+  (Ali & Arafa's one-shot summary of its data), and their eigenvalues when the instruction says
+  ``share_eigenvalues`` (Amiri et al.'s relevance needs them; the paper's does not).
+* ``relevance``: given every client's eigenvectors (and eigenvalues, when shared), the client's
+  row r(i, ·) of the relevance matrix (see :func:`~fedcluster_flwr.clustering.relevance_row`).
 * ``gossip_train``: given its own model and m neighbours' models, the loss of each neighbour
   model on the client's training data, then FedAvg of all m + 1 models by sample counts, then
-  local training of the merged model (Zec et al.'s DAC step).
+  local training of the merged model (Zec et al.'s DAC step). With ``merge_lowest`` = m' only
+  the m' neighbour models of lowest loss are merged with its own (Onoszko et al.'s PENS).
 * ``evaluate``: test the received model on the client's own test split.
 
 A new task's handler is a function ``(client, TaskInput) -> TaskOutput`` registered with
@@ -28,7 +31,7 @@ A new task's handler is a function ``(client, TaskInput) -> TaskOutput`` registe
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,7 +41,7 @@ from torch import nn
 
 from . import protocol
 from .protocol import MODEL, MODELS, Task
-from .aggregation import weighted_mean
+from .aggregation import lowest, weighted_mean
 from .clustering import relevance_row
 from .features import feature_map, gram_matrix, top_eigenpairs
 from .training import (
@@ -172,10 +175,12 @@ class ClusterClient(NumPyClient):
         set_weights(model, arrays, assign=True)
         return model
 
-    def train_model(self, model: nn.Module, server_round: int) -> float:
-        """Local training of ``model`` with this round's seed; returns the mean batch loss."""
+    def train_model(self, model: nn.Module, server_round: int, epochs: int | None = None) -> float:
+        """Local training of ``model`` with this round's seed (for ``epochs``, default the client's
+        own ``client.epochs``); returns the mean batch loss."""
         generator = torch.Generator().manual_seed(round_seed(self.seed, server_round, self.pid))
-        return train(model, self.data.x_train, self.data.y_train, self.settings, generator, self.device)
+        settings = self.settings if epochs is None else replace(self.settings, epochs=epochs)
+        return train(model, self.data.x_train, self.data.y_train, settings, generator, self.device)
 
     def training_loss(self, model: nn.Module) -> float:
         return evaluate(model, self.data.x_train, self.data.y_train, self.device)[0]
@@ -209,7 +214,8 @@ class ClusterClient(NumPyClient):
 def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     (arrays,) = inputs.blocks[MODELS]
     model = client.load_model(arrays)
-    loss = client.train_model(model, inputs.server_round)
+    epochs = inputs.config.get(protocol.EPOCHS_KEY)
+    loss = client.train_model(model, inputs.server_round, None if epochs is None else int(epochs))
     return TaskOutput({MODEL: get_weights(model)}, client.num_train, {protocol.TRAIN_LOSS: loss})
 
 
@@ -325,25 +331,34 @@ def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOut
 @handles(protocol.GRAM_EIGEN)
 def top_gram_eigenpairs(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     vectors, values = top_eigenpairs(client.gram(inputs.config), int(inputs.config[protocol.NUM_EIGENVECTORS_KEY]))
-    blocks = {protocol.EIGENVECTORS: [vectors.float().numpy()], protocol.EIGENVALUES: [values.float().numpy()]}
+    shared_values = [values.float().numpy()] if inputs.config[protocol.SHARE_EIGENVALUES_KEY] else []
+    blocks = {protocol.EIGENVECTORS: [vectors.float().numpy()], protocol.EIGENVALUES: shared_values}
     return TaskOutput(blocks, client.num_train)
 
 
 @handles(protocol.RELEVANCE_ROW)
 def relevance_to_every_client(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
-    eigenpairs = [(vectors, values) for vectors, values in inputs.blocks[protocol.EIGENVECTORS]]
-    row = relevance_row(client.gram(inputs.config).numpy(), eigenpairs)
+    summaries = inputs.blocks[protocol.EIGENVECTORS]
+    shared = bool(inputs.config[protocol.SHARE_EIGENVALUES_KEY])
+    expected = 2 if shared else 1  # [vectors, values] or [vectors]
+    if any(len(item) != expected for item in summaries):
+        raise protocol.ProtocolError(
+            f"task relevance: with {protocol.SHARE_EIGENVALUES_KEY}={shared} each summary holds {expected} arrays, "
+            f"got {sorted({len(item) for item in summaries})}"
+        )
+    values = [item[1] for item in summaries] if shared else None
+    row = relevance_row(client.gram(inputs.config).numpy(), [item[0] for item in summaries], values)
     return TaskOutput({protocol.RELEVANCE: [row.astype(np.float32)]}, client.num_train)
 
 
 @handles(protocol.GOSSIP_TRAIN)
 def merge_neighbours_and_train(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     own, *neighbours = inputs.blocks[MODELS]
-    metrics: dict[str, Scalar] = {
-        protocol.indexed(protocol.LOSS, j): client.training_loss(client.load_model(arrays))
-        for j, arrays in enumerate(neighbours)
-    }
-    counts = [client.num_train] + [int(inputs.config[protocol.indexed(protocol.SAMPLES_KEY, j)]) for j in range(len(neighbours))]
-    merged = client.load_model(weighted_mean([own, *neighbours], counts, [a.dtype for a in own]))
+    losses = [client.training_loss(client.load_model(arrays)) for arrays in neighbours]
+    metrics: dict[str, Scalar] = {protocol.indexed(protocol.LOSS, j): loss for j, loss in enumerate(losses)}
+    keep = inputs.config.get(protocol.MERGE_LOWEST_KEY)
+    merging = range(len(neighbours)) if keep is None else lowest(losses, int(keep))
+    counts = [client.num_train] + [int(inputs.config[protocol.indexed(protocol.SAMPLES_KEY, j)]) for j in merging]
+    merged = client.load_model(weighted_mean([own, *(neighbours[j] for j in merging)], counts, [a.dtype for a in own]))
     metrics[protocol.TRAIN_LOSS] = client.train_model(merged, inputs.server_round)
     return TaskOutput({MODEL: get_weights(merged)}, client.num_train, metrics)

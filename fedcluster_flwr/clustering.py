@@ -195,30 +195,50 @@ def cluster_scores(true: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
 RELEVANCE_FLOOR = 1e-3
 
 
+RELEVANCE_RULES = ("paper", "amiri")  # which eigenvalue eq. 3 compares λ̂_k with; see relevance_row
+
+
 def relevance_row(
-    gram: np.ndarray, eigenpairs: Sequence[tuple[np.ndarray, np.ndarray]], floor: float = RELEVANCE_FLOOR
+    gram: np.ndarray,
+    eigenvectors: Sequence[np.ndarray],
+    eigenvalues: Sequence[np.ndarray] | None = None,
+    floor: float = RELEVANCE_FLOOR,
 ) -> np.ndarray:
-    """Row r(i, ·) of the relevance matrix, for client i with Gram matrix ``gram`` (d × d).
+    """Row r(i, ·) of the relevance matrix, for client i with Gram matrix ``gram`` (d × d), given
+    every client j's top eigenvectors v_k^(j) (``eigenvectors[j]``: rows of a k × d array).
 
-    For client j's top eigenvectors v_k (rows of a k × d array) and eigenvalues λ_k, client i
-    measures how much of its own data lies along each: λ̂_k = ‖G_i v_k‖ (eq. 2). The
-    per-direction agreement is min(λ_k, λ̂_k) / max(λ_k, λ̂_k) (eq. 3) and r(i, j) their
-    geometric mean over k (eq. 4); r(i, i) = 1, as v_k is then an eigenvector of G_i.
+    Ali & Arafa, eqs. 2-4 (and Algorithm 2, lines 8-11):
 
-    Tiny eigenvalues (the paper's own warning): a direction in which one client has
-    (numerically) no variance would make its ratio 0 and zero the whole geometric mean. Each
-    ratio is therefore taken as (min + ε) / (max + ε), with ε = ``floor`` · λ_1 (client j's
-    largest eigenvalue): such a direction lowers r by a factor of at most about floor^(1/k),
-    and directions at the scale of the data are unaffected.
+    * eq. 2: λ̂_k = ‖G_i v_k^(j)‖, how much of client i's data lies along j's k-th direction;
+    * eq. 3: its agreement with λ_k^(i), client i's *own* k-th largest eigenvalue:
+      min(λ_k^(i), λ̂_k) / max(λ_k^(i), λ̂_k). Users share only their eigenvectors (the paper's
+      rule, ``strategy.relevance: paper``). Given ``eigenvalues`` (client j's own λ_k^(j), one
+      array per client, shared along with the vectors), λ̂_k is compared with λ_k^(j) instead:
+      Amiri et al.'s original form (``strategy.relevance: amiri``);
+    * eq. 4: r(i, j) = the geometric mean of the k agreements.
+
+    r(i, i) = 1 under either rule: v_k^(i) is an eigenvector of G_i, so λ̂_k = λ_k^(i).
+
+    Tiny eigenvalues (the paper's own warning): a direction in which one side has (numerically)
+    no variance would make its ratio 0 and zero the whole geometric mean. Each ratio is therefore
+    taken as (min + ε) / (max + ε), with ε = ``floor`` · the largest eigenvalue compared (λ_1, or
+    the largest λ̂): such a direction lowers r by a factor of at most about floor^(1/k), and
+    directions at the scale of the data are unaffected.
     """
-    row = np.empty(len(eigenpairs))
-    for j, (vectors, values) in enumerate(eigenpairs):
-        projected = np.linalg.norm(gram @ np.asarray(vectors, dtype=np.float64).T, axis=0)
-        values = np.asarray(values, dtype=np.float64)
-        eps = floor * max(float(values.max(initial=0.0)), float(projected.max(initial=0.0)), np.finfo(float).tiny)
-        ratios = (np.minimum(values, projected) + eps) / (np.maximum(values, projected) + eps)
+    if eigenvalues is not None and len(eigenvalues) != len(eigenvectors):
+        raise ValueError(f"{len(eigenvalues)} eigenvalue arrays for {len(eigenvectors)} clients' eigenvectors")
+    deepest = max((len(v) for v in eigenvectors), default=0)
+    # λ_k^(i), descending; round-off negatives are no variance
+    own_values = np.clip(np.linalg.eigvalsh(gram)[::-1][:deepest], 0.0, None)
+    row = np.empty(len(eigenvectors))
+    for j, vectors in enumerate(eigenvectors):
+        vectors = np.asarray(vectors, dtype=np.float64)
+        projected = np.linalg.norm(gram @ vectors.T, axis=0)  # eq. 2
+        compared = own_values[: len(vectors)] if eigenvalues is None else np.asarray(eigenvalues[j], dtype=np.float64)
+        eps = floor * max(float(compared.max(initial=0.0)), float(projected.max(initial=0.0)), np.finfo(float).tiny)
+        ratios = (np.minimum(compared, projected) + eps) / (np.maximum(compared, projected) + eps)  # eq. 3
         with np.errstate(divide="ignore"):  # floor 0 (no guard) may take log(0) = -inf: r = 0
-            row[j] = float(np.exp(np.mean(np.log(ratios))))
+            row[j] = float(np.exp(np.mean(np.log(ratios))))  # eq. 4
     return row
 
 

@@ -21,7 +21,7 @@ import yaml
 
 from .data.datasets import DATASETS
 from .data.partitions import PARTITIONERS
-from .models import MODELS
+from .models import MODELS, RENAMED as RENAMED_MODELS
 from .schema import ConfigError, config_keys, describe, from_mapping, join_key, require, to_plain, unknown_key_message
 from .strategies import STRATEGIES
 
@@ -67,6 +67,7 @@ class ModelConfig:
     name: str
 
     def validate(self, prefix: str) -> None:
+        require(self.name not in RENAMED_MODELS, join_key(prefix, "name"), f"'{self.name}' {RENAMED_MODELS.get(self.name)}")
         require(
             self.name in MODELS,
             join_key(prefix, "name"),

@@ -19,7 +19,7 @@ from flwr.server import ServerAppComponents, ServerConfig
 
 from .client import ClientData, ClusterClient
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
-from .data import DatasetPool, Partition, load_pool, make_partition
+from .data import DatasetPool, Partition, cluster_names, load_pool, make_partition
 from .models import build_model, parameter_names
 from .numerics import numeric_platform, pin_portable_numerics
 from .results import RoundRow, RunRecorder, load_checkpoint
@@ -157,6 +157,7 @@ def server_components(
         timeout_s=config.simulation.round_timeout_s,
         stop_round=stop_after,
         numeric_platform=numeric_platform(),
+        cluster_names=cluster_names(config.partition.options, int(partition.true_clusters.max(initial=0)) + 1),
     )
     strategy = STRATEGIES[config.strategy.name](config.strategy.options, setup)
     if resume:

@@ -60,17 +60,27 @@ def _projection(input_dim: int, dim: int, seed: int) -> torch.Tensor:
     return torch.randn(input_dim, dim, generator=generator, dtype=torch.float64) / math.sqrt(dim)
 
 
+# torchvision's ImageNet ResNet-18 (ResNet18_Weights.IMAGENET1K_V1), the backbone Ali & Arafa's CIFAR-10
+# experiment takes its features from; torchvision itself keeps it under ~/.cache/torch/hub/checkpoints/.
+RESNET18_FILE = "resnet18-f37072fd.pth"
+RESNET18_URL = f"https://download.pytorch.org/models/{RESNET18_FILE}"
+
+
 def check_weights_file(weights: str | None) -> Path:
     """The pretrained backbone's weights file, which must exist (this project never downloads)."""
     if not weights:
         raise ConfigError(
             "strategy.pretrained_weights",
-            "features 'pretrained' needs the path of a ResNet-18 state_dict file on disk "
-            "(e.g. resnet18-f37072fd.pth from torchvision); nothing is downloaded",
+            f"features 'pretrained' needs the path of torchvision's ImageNet ResNet-18 weights ({RESNET18_FILE}, "
+            f"from {RESNET18_URL}); nothing is downloaded",
         )
     path = Path(weights).expanduser()
     if not path.is_file():
-        raise ConfigError("strategy.pretrained_weights", f"expected the ResNet-18 weights file at {path}; it does not exist")
+        raise ConfigError(
+            "strategy.pretrained_weights",
+            f"expected the ImageNet ResNet-18 weights at {path}, which does not exist: download torchvision's "
+            f"{RESNET18_FILE} from {RESNET18_URL} and put it there (or set strategy.pretrained_weights to where it is)",
+        )
     return path
 
 

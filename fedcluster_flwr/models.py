@@ -84,8 +84,15 @@ MODELS: dict[str, ModelFactory] = {
     "mlp_fmnist": lambda s, c: MLP(s, c, hidden=(32,)),
     # Three-layer MLP (McMahan et al.'s 2NN): 784-200-200-10.
     "mlp3": lambda s, c: MLP(s, c, hidden=(200, 200)),
-    # Zec et al.'s (DAC) two-layer CNN: conv3x3 32, 64 + max-pool, FC 128.
-    "cnn_dac": lambda s, c: ConvNet(s, c, channels=(32, 64), hidden=(128,), kernel=3, padding=1),
+    # A two-layer CNN of ours: conv3x3 32, 64 ("same" padding) + max-pool, FC 128. the CNN of the
+    # practical multimodel confs (conf/multimodel_*_cnn.yaml); it was once (wrongly) called Zec et al.'s, see RENAMED.
+    "cnn_32_64_fc128": lambda s, c: ConvNet(s, c, channels=(32, 64), hidden=(128,), kernel=3, padding=1),
+    # The DAC reference code's (github.com/edvinli/DAC, main_fed.py) Fashion-MNIST CNN `CNNFashion`:
+    # conv3x3 16, 32 without padding + max-pool (28 -> 26 -> 13 -> 11 -> 5), FC 64.
+    "cnn_zec_fmnist": lambda s, c: ConvNet(s, c, channels=(16, 32), hidden=(64,), kernel=3, padding=0),
+    # The DAC reference code's CIFAR-10 `CNN`: LeNet-5, conv5x5 6, 16 without padding + max-pool,
+    # FC 120, 84 (its dropout layers are defined but never applied): the same network as lenet_cifar.
+    "lenet_zec_cifar": lambda s, c: ConvNet(s, c, channels=(6, 16), hidden=(120, 84), kernel=5, padding=0),
     # Lin et al. (2023) name only the layer types, "three fully connected layers" (ReLU) and "two
     # convolutional layers and a fully connected layer"; the widths are ours: McMahan et al.'s 2NN
     # widths 784-200-200-10 (as mlp3), and PyTorch's MNIST-example CNN, conv5x5 10, 20 + max-pool, FC 50.
@@ -94,6 +101,13 @@ MODELS: dict[str, ModelFactory] = {
     # Small models for scikit-learn's 8x8 digits.
     "mlp_digits": lambda s, c: MLP(s, c, hidden=(64,)),
     "cnn_digits": lambda s, c: ConvNet(s, c, channels=(16, 32), hidden=(64,), kernel=3, padding=1),
+}
+
+
+# Names that were given up, with what to use instead (a config naming one stops with this message).
+RENAMED: dict[str, str] = {
+    "cnn_dac": "was renamed 'cnn_32_64_fc128' (the same network: conv3x3 32/64 + FC 128), because it is not "
+    "Zec et al.'s CNN; for DAC use the reference code's 'cnn_zec_fmnist' (Fashion-MNIST) or 'lenet_zec_cifar' (CIFAR-10)",
 }
 
 

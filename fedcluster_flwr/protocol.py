@@ -12,17 +12,21 @@ before any of its arrays touches a model.
 =================  ===================================  ==================================  ===========================
 task               sends                                reply arrays                        reply metrics
 =================  ===================================  ==================================  ===========================
-``train``          ``models`` (1)                       ``model``                           ``train_loss``
+``train``          ``models`` (1), ``epochs``           ``model``                           ``train_loss``
+                   (optional)
 ``train_select``   ``models`` (K), ``directions``       ``model`` (the chosen one,          ``selected`` < K, ``loss_k``
                    (K, optional)                        trained or one step)                (+ ``similarity_k``)
 ``select``         ``models`` (K), ``directions``       –                                   as ``train_select``
                    (K, optional)
-``gram_eigen``     – (Φ and k in the config)            ``eigenvectors`` (k × d),            –
-                                                        ``eigenvalues`` (k)
+``gram_eigen``     – (Φ, k and ``share_eigenvalues``    ``eigenvectors`` (k × d),            –
+                   in the config)                       ``eigenvalues`` (k; none unless
+                                                        ``share_eigenvalues``)
 ``relevance``      ``eigenvectors`` (N items of         ``relevance`` (N)                   –
-                   k × d vectors and k values)
+                   k × d vectors, + k values each
+                   with ``share_eigenvalues``)
 ``gossip_train``   ``models`` (own + m neighbours),     ``model`` (own, trained)            ``loss_j``, j < m, finite
                    ``samples_j`` in the config
+                   (+ ``merge_lowest``, optional)
 ``evaluate``       ``models`` (1)                       –                                   ``accuracy`` in [0, 1]
                                                                                              (+ finite ``val_loss``)
 =================  ===================================  ==================================  ===========================
@@ -54,6 +58,9 @@ FEATURES_KEY = "features"  # gram_eigen/relevance: the feature map Φ (see featu
 FEATURE_DIM_KEY = "feature_dim"  # d, the number of features of Φ
 FEATURE_SEED_KEY = "feature_seed"  # random_projection: the seed every client draws the projection from
 PRETRAINED_WEIGHTS_KEY = "pretrained_weights"  # pretrained: the backbone's weights file on the client
+# gram_eigen/relevance: whether clients share their eigenvalues along with their eigenvectors (Amiri et
+# al.'s relevance compares j's eigenvalues; Ali & Arafa's eq. 3 the client's own, so none are sent)
+SHARE_EIGENVALUES_KEY = "share_eigenvalues"
 SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the losses are taken on (0: all)
 LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
 LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
@@ -61,6 +68,8 @@ LOCAL_UPDATE_KEY = "local_update"  # train_select: EPOCHS (train the chosen mode
 EPOCHS = "epochs"
 ONE_STEP = "one_step"
 SAMPLES_KEY = "samples"  # gossip_train: samples_j, the training samples behind neighbour j's model
+MERGE_LOWEST_KEY = "merge_lowest"  # gossip_train (optional): merge only this many neighbours, those of lowest loss (PENS)
+EPOCHS_KEY = "epochs"  # train (optional): local epochs instead of the client's own (client.epochs), e.g. pretraining
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"
@@ -79,8 +88,8 @@ SIMILARITY = "similarity"  # per item: similarity_0, ...
 # Block names.
 MODELS = "models"  # items: whole models, arrays in state_dict order
 DIRECTIONS = "directions"  # items: one update direction per model (gradloss)
-EIGENVECTORS = "eigenvectors"  # sent: items [vectors (k, d), values (k,)]; replied: vectors (k, d)
-EIGENVALUES = "eigenvalues"  # replied: values (k,)
+EIGENVECTORS = "eigenvectors"  # sent: items [vectors (k, d)] (+ values (k,) when shared); replied: vectors (k, d)
+EIGENVALUES = "eigenvalues"  # replied: values (k,) when shared, else no array
 MODEL = "model"  # replied: one model
 RELEVANCE = "relevance"  # replied: one row r(i, .) of the relevance matrix
 
@@ -355,7 +364,8 @@ def _one_model(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
 
 def _eigen_shapes(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
     k, d = int(sent.config[NUM_EIGENVECTORS_KEY]), int(sent.config[FEATURE_DIM_KEY])
-    return {EIGENVECTORS: [ArraySpec((k, d))], EIGENVALUES: [ArraySpec((k,), low=0.0)]}
+    values = [ArraySpec((k,), low=0.0)] if sent.config[SHARE_EIGENVALUES_KEY] else []
+    return {EIGENVECTORS: [ArraySpec((k, d))], EIGENVALUES: values}
 
 
 def _relevance_shape(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
@@ -384,16 +394,16 @@ SELECT = Task(  # train_select without the training: "which of these models is m
     reply_shapes=lambda sent, model: {},
     metric_checks=_SELECTION_CHECKS,
 )
-_FEATURE_CONFIG = (FEATURES_KEY, FEATURE_DIM_KEY, FEATURE_SEED_KEY, PRETRAINED_WEIGHTS_KEY)
+_ONESHOT_CONFIG = (FEATURES_KEY, FEATURE_DIM_KEY, FEATURE_SEED_KEY, PRETRAINED_WEIGHTS_KEY, SHARE_EIGENVALUES_KEY)
 GRAM_EIGEN = Task(
     "gram_eigen",
     sends=(),
     reply=(EIGENVECTORS, EIGENVALUES),
     reply_shapes=_eigen_shapes,
-    config=(NUM_EIGENVECTORS_KEY, *_FEATURE_CONFIG),
+    config=(NUM_EIGENVECTORS_KEY, *_ONESHOT_CONFIG),
 )
 RELEVANCE_ROW = Task(
-    "relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape, config=_FEATURE_CONFIG
+    "relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape, config=_ONESHOT_CONFIG
 )
 GOSSIP_TRAIN = Task(
     "gossip_train",

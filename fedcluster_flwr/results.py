@@ -188,24 +188,67 @@ def plot_dendrogram(linkage: np.ndarray, labels: list[str], threshold: float | N
     plt.close(fig)
 
 
-def plot_similarity(matrix: np.ndarray, labels: list[str], order: np.ndarray, path: Path, title: str) -> None:
-    """Heat map of a client-by-client similarity ``matrix``, rows and columns in ``order``."""
+CLIENT_MATRIX_INCHES = (7.2, 6.0)  # fixed: a matrix of 1,000 clients makes no larger a file than one of 10
+PER_CLIENT_TICKS_UP_TO = 30  # clients; beyond, only the cluster blocks are labelled
+
+
+def plot_client_matrix(
+    matrix: np.ndarray,
+    groups: np.ndarray,
+    group_names: Sequence[str] | None,
+    path: Path,
+    title: str,
+    colour_label: str,
+    clients: Sequence[int] | None = None,
+    found: np.ndarray | None = None,
+) -> list[str]:
+    """Heat map of a client-by-client ``matrix`` (values in [0, 1]) at a fixed size, readable at
+    10 and at 1,000 clients: rows and columns ordered by ``groups`` (the true clusters), each
+    group's block outlined and labelled with its name and size ("180° (20)"); client ids only
+    where there are few. ``clients`` names the rows (default 0..N-1); ``found`` (a clustering's
+    labels, optional) is drawn as a strip beside the rows, so a clustering that cuts across the
+    true blocks shows. Returns the block labels drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    size = max(4.5, 0.18 * len(order) + 2)
-    fig, ax = plt.subplots(figsize=(size + 1, size))
-    image = ax.imshow(matrix[np.ix_(order, order)], cmap="viridis", vmin=0.0, vmax=1.0)
-    ticks = [labels[i] for i in order]
-    ax.set_xticks(range(len(order)), ticks, rotation=90, fontsize=6)
-    ax.set_yticks(range(len(order)), ticks, fontsize=6)
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, shrink=0.8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    groups = np.asarray(groups)
+    count = len(groups)
+    clients = np.arange(count) if clients is None else np.asarray(clients)
+    order = np.lexsort((clients, groups))
+    ordered = groups[order]
+    values, starts, sizes = np.unique(ordered, return_index=True, return_counts=True)
+    fig = plt.figure(figsize=CLIENT_MATRIX_INCHES)
+    grid = fig.add_gridspec(1, 3, width_ratios=(1.0, 0.035 if found is not None else 0.001, 0.04), wspace=0.05)
+    ax = fig.add_subplot(grid[0, 0])
+    image = ax.imshow(matrix[np.ix_(order, order)], cmap="viridis", vmin=0.0, vmax=1.0,
+                      interpolation="antialiased", aspect="auto")
+    for start in starts[1:]:  # block boundaries
+        ax.axhline(start - 0.5, color="white", lw=0.8)
+        ax.axvline(start - 0.5, color="white", lw=0.8)
+    names = [group_names[int(v)] if group_names is not None and 0 <= int(v) < len(group_names) else f"cluster {v}"
+             for v in values]
+    centres = starts + (sizes - 1) / 2
+    legible = sizes / count >= 0.025  # a block under 2.5 % of the axis has no room for its label
+    labels = [f"{name} ({size})" for name, size, ok in zip(names, sizes, legible) if ok]
+    ax.set_yticks(centres[legible], labels, fontsize=8)
+    ax.set_xticks(centres[legible], labels, fontsize=8, rotation=30, ha="right")
+    ax.tick_params(which="major", length=0)
+    if count <= PER_CLIENT_TICKS_UP_TO:  # few clients: their ids along the top (rows are in the same order)
+        ax.set_xticks(range(count), [str(c) for c in clients[order]], minor=True, fontsize=6)
+        ax.tick_params(axis="x", which="minor", length=2, top=True, bottom=False, labeltop=True, labelbottom=False)
+    ax.set_title(title, fontsize=9, pad=14 if count <= PER_CLIENT_TICKS_UP_TO else 6)
+    if found is not None:
+        strip = fig.add_subplot(grid[0, 1])
+        strip.imshow(np.asarray(found)[order][:, None], cmap="tab20", aspect="auto", interpolation="nearest")
+        strip.set_xticks([0], ["found"], fontsize=7, rotation=90)
+        strip.set_yticks([])
+    fig.colorbar(image, cax=fig.add_subplot(grid[0, 2]), label=colour_label)
+    fig.subplots_adjust(left=0.2, right=0.9, bottom=0.14, top=0.92)
+    fig.savefig(path, dpi=150)
     plt.close(fig)
+    return labels
 
 
 BRANCH_FILE = "branch.json"

@@ -15,7 +15,10 @@ from fedcluster_flwr.client import TaskInput, merge_neighbours_and_train
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
 from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
-from fedcluster_flwr.strategies.dac import DAC, DACOptions, DACVar, DACVarOptions, GossipOptions, OracleGossip, RandomGossip, two_hop_similarities
+from fedcluster_flwr.strategies.dac import (
+    DAC, PENS, DACOptions, DACVar, DACVarOptions, GossipOptions, OracleGossip, PENSOptions, RandomGossip, centred_tau,
+    reference_tau, reference_two_hop_update, two_hop_similarities,
+)
 from fedcluster_flwr.strategies.fedavg import LocalOnly, LocalOptions
 from test_strategies import DIM, SHAPES, client_manager, flat, make_setup, unflatten
 
@@ -27,10 +30,15 @@ def init_weights(seed):
     return unflatten(np.random.default_rng(seed).normal(size=DIM))
 
 
-def gossip(cls, tmp_path, options, **extra):
+def gossip(cls, tmp_path, options, pretrained=True, **extra):
+    """A gossip strategy over N synthetic clients; ``pretrained``: every client is past its
+    pretraining (round 1 exchanges), for the tests of the exchanges themselves."""
     setup = make_setup(tmp_path, N, true=TRUE, train_sizes=[10 * (p + 1) for p in range(N)],
                        init_weights=init_weights, **extra)
-    return cls(options, setup)
+    strategy = cls(options, setup)
+    if pretrained:
+        strategy.pretrained[:] = True
+    return strategy
 
 
 def play(strategy, manager, rnd, loss=lambda i, j: 1.0 + abs(int(TRUE[i]) - int(TRUE[j]))):
@@ -138,12 +146,116 @@ def test_oracle_gossip_stays_inside_the_true_cluster(tmp_path):
     assert len(strategy.neighbours(1, 6)) == 1  # client 6 has a single cluster mate
 
 
-def test_dac_var_grows_tau_from_near_zero_to_tau_max(tmp_path):
-    strategy = gossip(DACVar, tmp_path, DACVarOptions(tau_max=30.0), rounds=50)
-    taus = [strategy.tau(r) for r in range(1, 51)]
+def test_the_reference_tau_schedule_is_tau_tanh_of_a_tenth_of_the_round_plus_one():
+    """The reference code's tau_function(t, a=τ, b=0.2) = 2a / (1 + e^(−0.2 t)) − a + 1."""
+    for t in (0, 1, 5, 10, 25, 60):
+        assert reference_tau(t, 30.0) == pytest.approx(2 * 30 / (1 + np.exp(-0.2 * t)) - 30 + 1, abs=1e-12)
+    assert reference_tau(0, 30.0) == 1.0
+    assert reference_tau(10, 30.0) == pytest.approx(30 * np.tanh(1.0) + 1)  # ≈ 23.8
+    assert 23.5 < reference_tau(10, 30.0) < 24.0 and 30.0 < reference_tau(25, 30.0) < 31.0
+    # the centred schedule it replaces as the default: ≈ 0.5 at round 10 of 100
+    assert centred_tau(10, 30.0, 100) == pytest.approx(30 / (1 + np.exp(4.0)))
+    assert 0.4 < centred_tau(10, 30.0, 100) < 0.6 and centred_tau(50, 30.0, 100) == 15.0
+
+
+def test_dac_var_draws_each_exchange_with_the_tau_of_the_one_before(tmp_path):
+    """After the pretraining round, exchange e (0-based) draws with τ(e − 1): the weights the
+    reference code's client computed at the end of its previous exchange (the first draws uniformly)."""
+    strategy = gossip(DACVar, tmp_path, DACVarOptions(num_neighbours=2, tau_max=30.0), pretrained=False, rounds=8)
+    manager = client_manager(N)
+    for rnd in range(1, 9):
+        play(strategy, manager, rnd)
+    rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["pretrain"] + ["dac_var"] * 7
+    assert [r["exchanges"] for r in rows] == list(range(8))
+    expected = [reference_tau(max(e - 1, 0), 30.0) for e in range(7)]
+    assert [r["tau"] for r in rows[1:]] == pytest.approx(expected)
+    assert expected[:3] == [1.0, 1.0, pytest.approx(30 * np.tanh(0.1) + 1)]
+
+    centred = gossip(DACVar, tmp_path / "centred", DACVarOptions(tau_max=30.0, tau_schedule="centred"), rounds=50)
+    taus = [centred.tau(r) for r in range(1, 51)]
     assert taus[0] < 0.02 * 30 and taus[-1] > 0.99 * 30 and all(np.diff(taus) > 0)
 
 
+# ---- pretraining ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("epochs", "sent"), [(None, None), (2, 2)])
+def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tmp_path, epochs, sent):
+    """The reference code trains every client for E epochs before any exchange; here round 1 does
+    that (task train, the client's own model; ``epochs`` sent only when it differs from client.epochs)
+    and every later round exchanges; a late joiner pretrains in its first round online and is
+    nobody's neighbour until then."""
+    strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=2, pretrain_epochs=epochs), pretrained=False,
+                      join_round={5: 3})
+    manager = client_manager(N)
+    before = {p: flat(m).copy() for p, m in strategy.client_models.items()}
+    first = play(strategy, manager, 1)
+    assert sorted(first) == [p for p in range(N) if p != 5]
+    for pid, (task, models, chosen, config) in first.items():
+        assert task == protocol.TRAIN.name and chosen == [] and len(models) == 1
+        np.testing.assert_array_equal(flat(models[0]), before[pid])  # its own model, nobody else's
+        assert config.get(protocol.EPOCHS_KEY) == sent
+    assert strategy.communication.sum() == 0 and not strategy.met.any()
+    for rnd in (2, 3, 4):
+        received = play(strategy, manager, rnd)
+        tasks = {pid: task for pid, (task, *_rest) in received.items()}
+        if rnd == 2:
+            assert 5 not in tasks and all(5 not in chosen for _, _, chosen, _ in received.values())
+        if rnd == 3:  # client 5 joins: it pretrains while the others exchange, and nobody meets it yet
+            assert tasks.pop(5) == protocol.TRAIN.name
+            assert all(5 not in chosen for _, _, chosen, _ in received.values())
+        assert set(tasks.values()) == {protocol.GOSSIP_TRAIN.name}
+    rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["pretrain", "dac", "dac", "dac"]
+    assert strategy.pretrained.all() and strategy.communication[5].sum() == 2  # it exchanged in round 4
+
+
+def test_without_pretraining_round_one_exchanges_untrained_models(tmp_path):
+    strategy = gossip(RandomGossip, tmp_path, GossipOptions(pretrain_epochs=0), pretrained=False)
+    received = play(strategy, client_manager(N), 1)
+    assert {task for task, *_ in received.values()} == {protocol.GOSSIP_TRAIN.name}
+
+
+def test_a_train_instruction_with_epochs_trains_for_that_many_epochs(monkeypatch):
+    import fedcluster_flwr.client as client_module
+    from fedcluster_flwr.client import train_received_model
+
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
+    client = make_client(config, 0, config.partition.num_clients)
+    seen = []
+    monkeypatch.setattr(client_module, "train", lambda model, x, y, settings, *rest: seen.append(settings.epochs) or 0.0)
+    model = initial_weights(config)
+    train_received_model(client, TaskInput(1, {MODELS: [model]}, {}))
+    train_received_model(client, TaskInput(1, {MODELS: [model]}, {protocol.EPOCHS_KEY: 5}))
+    assert seen == [config.client.epochs, 5]
+
+
+# ---- two-hop estimates: the paper's and the reference code's ----------------------------------------
+
+
+def test_the_reference_two_hop_takes_this_rounds_neighbours_tables_estimates_included():
+    """0 met 1 this round. 1 has measured 2 and holds an *estimate* of 3 (from its own neighbours):
+    the reference copies both into 0's table (3 is two hops from 1, three from 0); the paper's rule,
+    from measured similarities only, fills 0→2 but not 0→3."""
+    nan = np.nan
+    table = np.array([
+        [nan, 0.8, nan, nan],
+        [0.8, nan, 0.6, 0.4],  # 0.4: 1's estimate of 3
+        [nan, 0.6, nan, nan],
+        [nan, nan, nan, nan],
+    ])
+    met = np.array([[0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=bool)
+    measured = np.where(met, table, nan)
+    paper = two_hop_similarities(measured, met)
+    assert paper[0, 2] == 0.6 and np.isnan(paper[0, 3])
+    reference_two_hop_update(table, met, 0, [1])
+    assert table[0, 2] == 0.6 and table[0, 3] == 0.4 and table[0, 1] == 0.8 and np.isnan(table[0, 0])
+    # next round 0 meets 2 (measured 0.95, more similar than 1) and 1 again: 3 is overwritten from
+    # 2's table, the most similar holder; measured pairs are never overwritten
+    table[2, 3], met[0, 2], table[0, 2] = 0.9, True, 0.95
+    reference_two_hop_update(table, met, 0, [1, 2])
+    assert table[0, 3] == 0.9 and table[0, 2] == 0.95 and table[0, 1] == 0.8
 def test_personal_models_start_apart_or_together(tmp_path):
     apart = gossip(RandomGossip, tmp_path / "a", GossipOptions())
     together = gossip(RandomGossip, tmp_path / "b", GossipOptions(same_init=True))
@@ -198,3 +310,148 @@ def test_a_validation_split_is_held_out_of_training_and_selects_the_reported_mod
     assert [r["mean_client_accuracy"] for r in rows] == [0.5, 0.7, 0.9]
     assert [r["mean_best_val_accuracy"] for r in rows] == [0.5, 0.7, 0.7]  # round 2's model kept the lowest val loss
     assert rows[-1]["per_true_cluster_best_val_accuracy"] == pytest.approx({"0": 0.7, "1": 0.7})
+
+
+# ---- PENS ---------------------------------------------------------------------------------------------
+
+
+def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more_than_chance(tmp_path):
+    """Selection rounds: n = 3 random peers, the m = 1 of lowest loss merged and counted. Then each
+    client draws only from the peers it kept more than (m / N) · selection_rounds = 1/8 · 3 times."""
+    strategy = gossip(PENS, tmp_path, PENSOptions(num_neighbours=3, num_kept=1, selection_rounds=3))
+    manager = client_manager(N)
+
+    def loss(i, j):  # own cluster lower; ties broken by id so the lowest is unique
+        return 1.0 + abs(int(TRUE[i]) - int(TRUE[j])) + 0.01 * j
+
+    expected = np.zeros((N, N), dtype=int)
+    for rnd in (1, 2, 3):
+        for pid, (task, models, chosen, config) in play(strategy, manager, rnd, loss).items():
+            assert task == protocol.GOSSIP_TRAIN.name and len(chosen) == 3 and config[protocol.MERGE_LOWEST_KEY] == 1
+            expected[pid, min(chosen, key=lambda q: loss(pid, q))] += 1
+    np.testing.assert_array_equal(strategy.kept_counts, expected)
+    np.testing.assert_array_equal(strategy.neighbour_sets, expected > 1 / N * 3)
+    assert strategy.neighbour_sets.any(axis=1).all()  # every client kept someone (3 rounds x 1 > 3/8)
+    rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["pens_selection"] * 3
+    for rnd in range(4, 10):
+        for pid, (task, models, chosen, config) in play(strategy, manager, rnd, loss).items():
+            kept = set(np.flatnonzero(strategy.neighbour_sets[pid]).tolist())
+            assert set(chosen) <= kept and len(chosen) == min(3, len(kept))
+            assert protocol.MERGE_LOWEST_KEY not in config  # every drawn peer is merged
+    assert json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["phase"] == "pens_gossip"
+
+
+def test_a_pens_client_merges_only_its_lowest_loss_neighbours(monkeypatch):
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
+    client = make_client(config, 0, config.partition.num_clients)
+    monkeypatch.setattr(type(client), "train_model", lambda self, model, rnd, epochs=None: 0.0)
+    # each model's loss on the client's data: its constant value (4, 10, 7)
+    monkeypatch.setattr(type(client), "training_loss", lambda self, model: float(next(model.parameters()).detach().flatten()[0]))
+    shapes = [a.shape for a in initial_weights(config)]
+    own, *neighbours = [[np.full(s, v, np.float32) for s in shapes] for v in (1.0, 4.0, 10.0, 7.0)]
+    counts = {f"samples_{j}": client.num_train for j in range(3)}
+    output = merge_neighbours_and_train(client, TaskInput(3, {MODELS: [own, *neighbours]},
+                                                          counts | {protocol.MERGE_LOWEST_KEY: 2}))
+    np.testing.assert_allclose(output.blocks[protocol.MODEL][0], (1.0 + 4.0 + 7.0) / 3, rtol=1e-6)
+    assert [output.metrics[f"loss_{j}"] for j in range(3)] == [4.0, 10.0, 7.0]  # every drawn peer's loss reported
+
+
+# ---- options ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (("strategy.name=dac", "strategy.pretrain_epochs=-1"), "strategy.pretrain_epochs: must be >= 0"),
+    (("strategy.name=dac", "rounds=1"), "rounds: round 1 only pretrains"),
+    (("strategy.name=dac_var", "strategy.tau_schedule=sigmoid"), "strategy.tau_schedule: expected one of reference, centred"),
+    (("strategy.name=dac", "strategy.two_hop_estimate=both"), "strategy.two_hop_estimate: expected one of paper, reference"),
+    (("strategy.name=dac", "strategy.two_hop=false", "strategy.two_hop_estimate=reference"),
+     "strategy.two_hop_estimate: 'reference' chooses how two-hop estimates are made, but two_hop is false"),
+    (("strategy.name=pens", "strategy.num_kept=6"), r"strategy.num_kept: must be in 1..num_neighbours \(5\)"),
+    (("strategy.name=pens", "strategy.selection_rounds=0"), "strategy.selection_rounds: must be >= 1"),
+])
+def test_the_gossip_options_errors_name_the_key(overrides, message):
+    from fedcluster_flwr.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
+
+
+def test_one_round_is_enough_without_pretraining():
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("strategy.name=dac", "rounds=1", "strategy.pretrain_epochs=0")])
+    assert config.rounds == 1
+
+
+# ---- records ------------------------------------------------------------------------------------------
+
+
+def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_path):
+    """communication.png (and one-shot's similarity.png) at a fixed size, clients ordered by true
+    cluster, each block labelled with its name and size, at 12 clients as at 1,000."""
+    import matplotlib.image
+
+    from fedcluster_flwr.data.partitions import RotationOptions, cluster_names
+    from fedcluster_flwr.results import plot_client_matrix
+
+    names = cluster_names(RotationOptions(angles=(0.0, 180.0, 10.0, 350.0)), 4)
+    assert names == ("0°", "180°", "10°", "350°")
+    shapes = []
+    for scale in (1, 100):
+        true = np.random.default_rng(scale).permutation(np.repeat(np.arange(4), [7 * scale, 2 * scale, scale // 2 or 1, scale // 2 or 2]))
+        labels = plot_client_matrix(np.random.default_rng(0).random((len(true), len(true))), true, names,
+                                    tmp_path / f"map{scale}.png", "title", "share")
+        shapes.append(matplotlib.image.imread(tmp_path / f"map{scale}.png").shape)
+        if scale == 100:
+            assert labels == ["0° (700)", "180° (200)", "10° (50)", "350° (50)"]
+    assert shapes[0] == shapes[1]
+
+    strategy = gossip(RandomGossip, tmp_path / "run", GossipOptions(num_neighbours=2), cluster_names=("upright", "rotated"))
+    play(strategy, client_manager(N), 1)
+    strategy.write_artifacts()
+    assert matplotlib.image.imread(tmp_path / "run" / "communication.png").shape == shapes[0]
+
+
+def test_the_relays_state_survives_a_checkpoint(tmp_path):
+    from fedcluster_flwr.results import load_checkpoint
+
+    for cls, options in ((DAC, DACOptions(num_neighbours=2, two_hop_estimate="reference")),
+                         (PENS, PENSOptions(num_neighbours=3, num_kept=1, selection_rounds=2))):
+        folder = tmp_path / cls.name
+        strategy = gossip(cls, folder, options, pretrained=False, checkpoint_every=1)
+        manager = client_manager(N)
+        for rnd in (1, 2, 3, 4):
+            play(strategy, manager, rnd)
+        resumed = gossip(cls, tmp_path / f"{cls.name}_resumed", options, pretrained=False)
+        resumed.restore(*load_checkpoint(folder))
+        assert resumed.exchanges == strategy.exchanges == 3 and resumed.pretrained.all()
+        np.testing.assert_array_equal(resumed.estimate, strategy.estimate)
+        if cls is PENS:
+            np.testing.assert_array_equal(resumed.neighbour_sets, strategy.neighbour_sets)
+            np.testing.assert_array_equal(resumed.kept_counts, strategy.kept_counts)
+            assert resumed.neighbour_sets.any()
+        else:
+            np.testing.assert_array_equal(resumed.reference_table, strategy.reference_table)
+
+
+def test_pens_and_the_reference_two_hop_run_on_real_clients(tmp_path):
+    """PENS and DAC with the reference code's two-hop estimates, end to end on real digits clients
+    (in process): pretraining, selection with merge_lowest, gossip among the kept; nothing refused."""
+    from inprocess import run_in_process
+
+    settings = ("rounds=6", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[14,6]",
+                "strategy.client_fraction=1.0", "strategy.num_neighbours=3", "client.epochs=1")
+    for name, extra in (("pens", ("strategy.num_kept=1", "strategy.selection_rounds=3")),
+                        ("dac", ("strategy.two_hop_estimate=reference",))):
+        config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*settings, f"strategy.name={name}", *extra)])
+        strategy = run_in_process(config, tmp_path / name)
+        rows = strategy.setup.recorder.rows
+        assert sum(r["rejected_updates"] + r["fit_failures"] for r in rows) == 0
+        assert rows[0]["phase"] == "pretrain" and strategy.exchanges == 5
+        if name == "pens":
+            assert [r["phase"] for r in rows[1:]] == ["pens_selection"] * 3 + ["pens_gossip"] * 2
+            assert strategy.kept_counts.sum() == 3 * 20 * 1 and strategy.neighbour_sets.any(axis=1).all()
+            # 3 selection rounds of 3 random draws each, then 2 gossip rounds of min(3, kept set) draws
+            kept = strategy.neighbour_sets.sum(axis=1)
+            assert strategy.communication.sum() == 3 * 20 * 3 + 2 * int(np.minimum(kept, 3).sum())
+        else:
+            assert np.isfinite(strategy.estimate[~np.eye(20, dtype=bool)]).mean() > 0.9  # most pairs estimated

@@ -21,7 +21,9 @@ SUPPORTED = {
     "lenet_cifar": (MNIST, CIFAR),
     "mlp_fmnist": (DIGITS, MNIST, CIFAR),
     "mlp3": (DIGITS, MNIST, CIFAR),
-    "cnn_dac": (DIGITS, MNIST, CIFAR),
+    "cnn_32_64_fc128": (DIGITS, MNIST, CIFAR),
+    "cnn_zec_fmnist": (MNIST, CIFAR),
+    "lenet_zec_cifar": (MNIST, CIFAR),
     "mlp_digits": (DIGITS, MNIST, CIFAR),
     "cnn_digits": (DIGITS, MNIST, CIFAR),
     "mlp_lin": (DIGITS, MNIST, CIFAR),
@@ -75,6 +77,33 @@ def test_lenet_cifar_parameter_count():
     model = build_model("lenet_cifar", CIFAR, 10)
     expected = (3 * 6 * 25 + 6) + (6 * 16 * 25 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
     assert num_parameters(model) == expected
+
+
+def test_the_dac_reference_codes_networks_have_its_shapes():
+    """github.com/edvinli/DAC, main_fed.py: CNNFashion (conv 1->16 3x3, 16->32 3x3, no padding,
+    2x2 pools, fc 32*5*5 -> 64 -> 10) and CNN (LeNet-5: conv 3->6 5x5, 6->16 5x5, fc 400-120-84-10)."""
+    fmnist = build_model("cnn_zec_fmnist", MNIST, 10)
+    shapes = {name: tuple(p.shape) for name, p in fmnist.named_parameters()}
+    assert shapes == {
+        "conv.0.weight": (16, 1, 3, 3), "conv.0.bias": (16,), "conv.1.weight": (32, 16, 3, 3), "conv.1.bias": (32,),
+        "fc.0.weight": (64, 32 * 5 * 5), "fc.0.bias": (64,), "out.weight": (10, 64), "out.bias": (10,),
+    }
+    assert num_parameters(fmnist) == 160 + 4640 + 51264 + 650
+    cifar = build_model("lenet_zec_cifar", CIFAR, 10)
+    shapes = {name: tuple(p.shape) for name, p in cifar.named_parameters()}
+    assert shapes["conv.0.weight"] == (6, 3, 5, 5) and shapes["conv.1.weight"] == (16, 6, 5, 5)
+    assert shapes["fc.0.weight"] == (120, 16 * 5 * 5) and shapes["fc.1.weight"] == (84, 120) and shapes["out.weight"] == (10, 84)
+    assert num_parameters(cifar) == num_parameters(build_model("lenet_cifar", CIFAR, 10))
+
+
+def test_the_retired_cnn_dac_name_says_what_to_use_instead():
+    from conftest import DEFAULT_CONFIG
+    from fedcluster_flwr.config import load_config
+    from fedcluster_flwr.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="model.name: 'cnn_dac' was renamed 'cnn_32_64_fc128' .* not Zec et al.'s CNN; "
+                                          "for DAC use the reference code's 'cnn_zec_fmnist'"):
+        load_config(DEFAULT_CONFIG, [("model.name", "cnn_dac")])
 
 
 def test_lenet_cifar_rejects_too_small_inputs():

@@ -32,9 +32,11 @@ def summary_of(x: np.ndarray, k: int) -> tuple[np.ndarray, tuple[np.ndarray, np.
     return gram.numpy(), (vectors.numpy(), values.numpy())
 
 
-def relevance_of(datasets: list[np.ndarray], k: int = 3) -> np.ndarray:
+def relevance_of(datasets: list[np.ndarray], k: int = 3, rule: str = "paper") -> np.ndarray:
     summaries = [summary_of(x, k) for x in datasets]
-    rows = np.stack([relevance_row(gram, [pair for _, pair in summaries]) for gram, _ in summaries])
+    vectors = [v for _, (v, _) in summaries]
+    values = [lam for _, (_, lam) in summaries] if rule == "amiri" else None
+    rows = np.stack([relevance_row(gram, vectors, values) for gram, _ in summaries])
     return relevance_matrix(rows)
 
 
@@ -42,22 +44,41 @@ def gaussian(seed: int, scales: list[float], n: int = 400) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(n, len(scales))) * np.asarray(scales)
 
 
-def test_a_client_is_fully_relevant_to_itself_and_identical_data_gives_r_one():
+@pytest.mark.parametrize("rule", ["paper", "amiri"])
+def test_a_client_is_fully_relevant_to_itself_and_identical_data_gives_r_one(rule):
     data = gaussian(0, [5, 3, 2, 1, 0.5, 0.2])
-    relevance = relevance_of([data, data.copy(), gaussian(1, [0.2, 0.5, 1, 2, 3, 5])])
+    relevance = relevance_of([data, data.copy(), gaussian(1, [0.2, 0.5, 1, 2, 3, 5])], rule=rule)
     assert np.diag(relevance) == pytest.approx(1.0, abs=1e-9)
     assert relevance[0, 1] == pytest.approx(1.0, abs=1e-9)
     assert np.allclose(relevance, relevance.T)
 
 
-def test_clients_of_different_distributions_are_less_relevant_and_cluster_apart():
+@pytest.mark.parametrize("rule", ["paper", "amiri"])
+def test_clients_of_different_distributions_are_less_relevant_and_cluster_apart(rule):
     first = [gaussian(s, [5, 3, 2, 0.3, 0.3, 0.3]) for s in range(3)]
     second = [gaussian(10 + s, [0.3, 0.3, 0.3, 2, 3, 5]) for s in range(3)]
-    relevance = relevance_of(first + second)
+    relevance = relevance_of(first + second, rule=rule)
     within, across = within_and_across(relevance, np.array([0, 0, 0, 1, 1, 1]))
     assert within > 0.9 and across < 0.3
     labels = cluster_by_relevance(relevance, "average", num_clusters=2).labels
     assert labels.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_the_papers_eq_3_compares_the_clients_own_eigenvalue_and_amiris_form_the_others():
+    """Client i: G_i = diag(4, 1, 0.5). Client j shares i's principal directions e1, e2 with twice
+    and a quarter of i's variance (its eigenvalues 9, 0.25). λ̂ = ‖G_i e_k‖ = 4, 1. The paper
+    (eq. 3, Algorithm 2 line 10) compares λ̂_k with i's own λ_k^(i) = 4, 1: r = 1, j's directions
+    carry i's variance in i's order. Amiri et al.'s form compares them with j's λ_k^(j) = 9, 0.25:
+    r = sqrt(4/9 · 1/4) = 1/3."""
+    gram_i = np.diag([4.0, 1.0, 0.5])
+    vectors_j, values_j = np.eye(3)[:2], np.array([9.0, 0.25])
+    paper = relevance_row(gram_i, [vectors_j], floor=0.0)
+    amiri = relevance_row(gram_i, [vectors_j], [values_j], floor=0.0)
+    assert paper[0] == pytest.approx(1.0, abs=1e-12)
+    assert amiri[0] == pytest.approx(1 / 3, abs=1e-12)
+    # the paper's k-th direction of j is compared with i's k-th eigenvalue: swapped directions disagree
+    swapped = relevance_row(gram_i, [np.eye(3)[[1, 0]]], floor=0.0)
+    assert swapped[0] == pytest.approx(np.sqrt(1 / 4 * 1 / 4), abs=1e-12)
 
 
 def test_a_near_zero_eigenvalue_lowers_a_score_but_never_zeroes_it():
@@ -68,10 +89,10 @@ def test_a_near_zero_eigenvalue_lowers_a_score_but_never_zeroes_it():
     gram = np.diag([4.0, 2.0, 1.0, 1e-12])
     vectors = np.eye(4)
     values = np.array([4.0, 2.0, 1.0, 0.0])
-    assert relevance_row(gram, [(vectors, values)], floor=0.0)[0] == 0.0
-    assert relevance_row(gram, [(vectors, values)])[0] == pytest.approx(1.0, abs=1e-9)
+    assert relevance_row(gram, [vectors], [values], floor=0.0)[0] == 0.0
+    assert relevance_row(gram, [vectors], [values])[0] == pytest.approx(1.0, abs=1e-9)
     other = np.diag([4.0, 2.0, 1.0, 0.5])  # client i does spread along the 4th direction
-    score = relevance_row(other, [(vectors, values)])[0]
+    score = relevance_row(other, [vectors], [values])[0]
     assert 0.1 < score < 1.0
     assert score == pytest.approx((4e-3 / (0.5 + 4e-3)) ** 0.25, rel=1e-6)
 
@@ -87,12 +108,13 @@ def label_group_config():
 
 
 FEATURE_CONFIG = {protocol.FEATURES_KEY: "identity", protocol.FEATURE_DIM_KEY: 64, protocol.FEATURE_SEED_KEY: 0,
-                  protocol.PRETRAINED_WEIGHTS_KEY: ""}
+                  protocol.PRETRAINED_WEIGHTS_KEY: "", protocol.SHARE_EIGENVALUES_KEY: False}
+SHARING = FEATURE_CONFIG | {protocol.SHARE_EIGENVALUES_KEY: True}  # relevance: amiri
 
 
 def test_gram_eigen_returns_the_top_eigenpairs_in_descending_order(label_group_config):
     client = make_client(label_group_config, 0, 20)
-    output = top_gram_eigenpairs(client, TaskInput(1, {}, FEATURE_CONFIG | {protocol.NUM_EIGENVECTORS_KEY: 5}))
+    output = top_gram_eigenpairs(client, TaskInput(1, {}, SHARING | {protocol.NUM_EIGENVECTORS_KEY: 5}))
     (vectors,), (values,) = output.blocks[protocol.EIGENVECTORS], output.blocks[protocol.EIGENVALUES]
     assert vectors.shape == (5, 64) and values.shape == (5,) and vectors.dtype == np.float32
     assert np.all(np.diff(values) <= 0)
@@ -100,17 +122,20 @@ def test_gram_eigen_returns_the_top_eigenpairs_in_descending_order(label_group_c
     gram = client.gram(FEATURE_CONFIG).numpy()
     np.testing.assert_allclose(gram @ vectors.T, vectors.T * values, rtol=1e-3, atol=1e-4)
     assert values[0] == pytest.approx(np.linalg.eigvalsh(gram).max(), rel=1e-5)
+    unshared = top_gram_eigenpairs(client, TaskInput(1, {}, FEATURE_CONFIG | {protocol.NUM_EIGENVECTORS_KEY: 5}))
+    assert unshared.blocks[protocol.EIGENVALUES] == []  # the paper's users send eigenvectors only
+    np.testing.assert_array_equal(unshared.blocks[protocol.EIGENVECTORS][0], vectors)
 
 
-def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_config):
+@pytest.mark.parametrize("config", [FEATURE_CONFIG, SHARING], ids=["paper", "amiri"])
+def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_config, config):
     clients = [make_client(label_group_config, pid, 20) for pid in range(20)]
-    config = FEATURE_CONFIG | {protocol.NUM_EIGENVECTORS_KEY: 5}
     summaries = []
     for client in clients:
-        blocks = top_gram_eigenpairs(client, TaskInput(1, {}, config)).blocks
-        summaries.append([blocks[protocol.EIGENVECTORS][0], blocks[protocol.EIGENVALUES][0]])
+        blocks = top_gram_eigenpairs(client, TaskInput(1, {}, config | {protocol.NUM_EIGENVECTORS_KEY: 5})).blocks
+        summaries.append(blocks[protocol.EIGENVECTORS] + blocks[protocol.EIGENVALUES])
     rows = np.stack([
-        relevance_to_every_client(client, TaskInput(2, {protocol.EIGENVECTORS: summaries}, FEATURE_CONFIG))
+        relevance_to_every_client(client, TaskInput(2, {protocol.EIGENVECTORS: summaries}, config))
         .blocks[protocol.RELEVANCE][0] for client in clients
     ])
     assert np.diag(rows) == pytest.approx(1.0, abs=1e-4)
@@ -135,7 +160,7 @@ def test_random_projection_is_the_same_for_every_client_with_the_seed():
 def test_pretrained_features_read_a_weights_file_and_never_download(tmp_path):
     import torchvision
 
-    with pytest.raises(ConfigError, match=f"strategy.pretrained_weights: expected the ResNet-18 weights file at {tmp_path}/missing.pth"):
+    with pytest.raises(ConfigError, match=f"strategy.pretrained_weights: expected the ImageNet ResNet-18 weights at {tmp_path}/missing.pth"):
         feature_map("pretrained", (1, 28, 28), 512, 0, str(tmp_path / "missing.pth"))
     torch.manual_seed(0)
     weights = tmp_path / "resnet18.pth"
@@ -160,6 +185,8 @@ def test_config_errors_name_the_key():
         load("strategy.threshold=null", "strategy.num_clusters=2", "rounds=2")
     with pytest.raises(ConfigError, match="strategy.threshold: must be in \\(0, 1\\)"):
         load("strategy.threshold=20.0")
+    with pytest.raises(ConfigError, match="strategy.relevance: expected one of paper, amiri; got 'eq3'"):
+        load("strategy.threshold=null", "strategy.num_clusters=2", "strategy.relevance=eq3")
 
 
 # ---- the GPS ----------------------------------------------------------------------------------------
@@ -220,7 +247,7 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
 
     _write_cifar(tmp_path / "data", per_batch=100)
     overrides = [f"dataset.data_dir={tmp_path / 'data'}", "partition.samples_per_client=20", "rounds=3",
-                 "strategy.features=random_projection", "strategy.feature_dim=64"]
+                 "strategy.features=random_projection", "strategy.feature_dim=64", "strategy.pretrained_weights=null"]
     config, _ = load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml", [parse_override(o) for o in overrides])
     strategy = run_in_process(config, tmp_path / "run")
     rows = strategy.setup.recorder.rows
@@ -231,6 +258,28 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     for i in conv:  # the GPS made the conv layers identical across the two LPS models
         np.testing.assert_array_equal(strategy.models[0][i], strategy.models[1][i])
     assert not np.array_equal(strategy.models[0][-1], strategy.models[1][-1])  # the classifier stays per LPS
+
+
+def test_the_cifar10_conf_takes_pretrained_features_and_says_where_the_missing_weights_go(tmp_path, monkeypatch):
+    """The paper's CIFAR-10 features come from an ImageNet-pretrained ResNet-18: the conf asks for
+    torchvision's file where torchvision keeps it, and without it stops with one line saying what
+    to download from where, and where to put it."""
+    from conftest import ROOT
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ of the conf's path: an empty home
+    with pytest.raises(ConfigError) as raised:
+        load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml")
+    message = str(raised.value)
+    expected = tmp_path / ".cache" / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    assert message == (
+        f"strategy.pretrained_weights: expected the ImageNet ResNet-18 weights at {expected}, which does not exist: "
+        "download torchvision's resnet18-f37072fd.pth from https://download.pytorch.org/models/resnet18-f37072fd.pth "
+        "and put it there (or set strategy.pretrained_weights to where it is)"
+    )
+    expected.parent.mkdir(parents=True)
+    torch.save(torch.nn.Linear(1, 1).state_dict(), expected)  # a file there: the conf loads (its contents are read by the client)
+    config, _ = load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml")
+    assert config.strategy.options.features == "pretrained"
 
 
 # ---- the one-shot phase with synthetic clients: failures, restarts, checkpoints --------------------
@@ -245,24 +294,28 @@ def oneshot_strategy(tmp_path, num_clients=6, **options):
     return OneShotHFL(OneShotOptions(**opts), setup)
 
 
-def summary_reply(pid):
+def summary_reply(pid, share_eigenvalues=False):
+    """A synthetic client's gram_eigen reply (eigenvalues only if asked to share them) and its Gram matrix."""
     rng = np.random.default_rng(pid % 2)
     x = rng.normal(size=(50, 4)) * ([3, 1, 0.3, 0.1] if pid % 2 else [0.1, 0.3, 1, 3])
     gram, (vectors, values) = summary_of(x, 2)
     arrays = protocol.GRAM_EIGEN.pack_reply({protocol.EIGENVECTORS: [vectors.astype(np.float32)],
-                                             protocol.EIGENVALUES: [values.astype(np.float32)]})
+                                             protocol.EIGENVALUES: [values.astype(np.float32)] if share_eigenvalues else []})
     return gram, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 50, {})
 
 
-def one_shot_round(strategy, manager, rnd, fail=frozenset()):
+def one_shot_round(strategy, manager, rnd, fail=frozenset(), share_eigenvalues=None):
+    """One round of synthetic one-shot clients; they share eigenvalues as instructed, or as ``share_eigenvalues`` says."""
     results = []
     for proxy, ins in strategy.configure_fit(rnd, None, manager):
         if proxy.pid in fail:
             continue
-        gram, res = summary_reply(proxy.pid)
+        share = ins.config[protocol.SHARE_EIGENVALUES_KEY] if share_eigenvalues is None else share_eigenvalues
+        gram, res = summary_reply(proxy.pid, share)
         if ins.config[TASK_KEY] == protocol.RELEVANCE_ROW.name:
-            blocks = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
-            row = relevance_row(gram, [(v, lam) for v, lam in blocks[protocol.EIGENVECTORS]]).astype(np.float32)
+            summaries = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[protocol.EIGENVECTORS]
+            values = [item[1] for item in summaries] if share else None
+            row = relevance_row(gram, [item[0] for item in summaries], values).astype(np.float32)
             res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([row]), 50, {})
         results.append((proxy, res))
     strategy.aggregate_fit(rnd, results, [])
@@ -274,9 +327,9 @@ def one_shot_round(strategy, manager, rnd, fail=frozenset()):
 def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer(tmp_path):
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
     one_shot_round(strategy, manager, 1, fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
-    assert strategy.eigenpairs == {} and strategy.phase(1) == "gram_eigen"
+    assert strategy.summaries == {} and strategy.phase(1) == "gram_eigen"
     one_shot_round(strategy, manager, 2)
-    assert sorted(strategy.eigenpairs) == list(range(6))
+    assert sorted(strategy.summaries) == list(range(6))
     one_shot_round(strategy, manager, 3)
     assert strategy.clustered and strategy.clustering_round == 3
     assert strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
@@ -292,9 +345,9 @@ def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     models, state = load_checkpoint(tmp_path)
     resumed = oneshot_strategy(tmp_path / "other")
     resumed.restore(models, state)
-    assert sorted(resumed.eigenpairs) == list(range(6)) and not resumed.clustered
+    assert sorted(resumed.summaries) == list(range(6)) and not resumed.clustered
     for pid in range(6):
-        for restored, original in zip(resumed.eigenpairs[pid], strategy.eigenpairs[pid], strict=True):
+        for restored, original in zip(resumed.summaries[pid], strategy.summaries[pid], strict=True):
             np.testing.assert_array_equal(restored, original)
     one_shot_round(resumed, manager, 1)  # Flower's round 1 of the rest is round 2: relevance
     assert resumed.clustered and resumed.clustering_round == 2
@@ -303,3 +356,35 @@ def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     again.restore(models, state)
     assert again.clustered and again.hac is not None and len(again.hac.linkage) == 5
     np.testing.assert_allclose(again.relevance, resumed.relevance)
+
+
+def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(tmp_path):
+    from flwr.common import ndarray_to_bytes
+
+    runs = {rule: oneshot_strategy(tmp_path / rule, relevance=rule) for rule in ("paper", "amiri")}
+    for strategy in runs.values():
+        manager = client_manager(6)
+        one_shot_round(strategy, manager, 1)
+        relevance_instruction = strategy.configure_fit(2, None, manager)[0][1]
+        assert relevance_instruction.config[LAYOUT_KEY] == f"eigenvectors=6x{1 if strategy is runs['paper'] else 2}"
+    rows = {rule: json.loads((tmp_path / rule / "rounds.jsonl").read_text().splitlines()[0]) for rule in runs}
+    eigenvalue_bytes = len(ndarray_to_bytes(np.zeros(2, np.float32)))  # k = 2 float32 values, serialized
+    assert rows["amiri"]["bytes_up"] - rows["paper"]["bytes_up"] == 6 * eigenvalue_bytes
+    assert all(len(summary) == 1 for summary in runs["paper"].summaries.values())
+    assert runs["paper"].extra_summary()["eigen_summary_floats"] == 2 * 4  # k × d, no k eigenvalues
+    assert runs["amiri"].extra_summary()["eigen_summary_floats"] == 2 * 4 + 2
+
+    strict = oneshot_strategy(tmp_path / "strict")
+    one_shot_round(strict, client_manager(6), 1, share_eigenvalues=True)  # replies the paper's users never send
+    assert strict.summaries == {}
+    row = json.loads((tmp_path / "strict" / "rounds.jsonl").read_text().splitlines()[0])
+    assert row["rejected_updates"] == 6
+
+
+def test_both_relevance_rules_cluster_the_synthetic_clients(tmp_path):
+    for rule in ("paper", "amiri"):
+        strategy, manager = oneshot_strategy(tmp_path / rule, relevance=rule), client_manager(6)
+        one_shot_round(strategy, manager, 1)
+        one_shot_round(strategy, manager, 2)
+        assert strategy.clustered and strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
+        assert strategy.extra_summary()["relevance_rule"] == rule

@@ -87,7 +87,7 @@ def test_a_layout_that_does_not_fit_the_arrays_is_refused(layout, count, message
 def test_an_instruction_without_its_task_blocks_or_scalars_is_a_programming_error():
     with pytest.raises(ProtocolError, match=r"task 'train': missing \['models'\], unexpected \['eigenvectors'\]"):
         TRAIN.check_instruction({EIGENVECTORS: []}, {})
-    with pytest.raises(ProtocolError, match="missing \\['num_eigenvectors', 'features', 'feature_dim', 'feature_seed', 'pretrained_weights'\\]"):
+    with pytest.raises(ProtocolError, match="missing \\['num_eigenvectors', 'features', 'feature_dim', 'feature_seed', 'pretrained_weights', 'share_eigenvalues'\\]"):
         GRAM_EIGEN.check_instruction({}, {})
     TRAIN_SELECT.check_instruction({MODELS: [model()], DIRECTIONS: [model()]}, {})  # directions are optional
 
@@ -100,7 +100,7 @@ def select_metrics(k: int, with_similarity: bool = False) -> dict:
     return metrics | ({indexed(SIMILARITY, j): 0.1 for j in range(k)} if with_similarity else {})
 
 
-EIGEN_SENT = Sent({}, {protocol.NUM_EIGENVECTORS_KEY: 3, protocol.FEATURE_DIM_KEY: 5})
+EIGEN_SENT = Sent({}, {protocol.NUM_EIGENVECTORS_KEY: 3, protocol.FEATURE_DIM_KEY: 5, protocol.SHARE_EIGENVALUES_KEY: True})
 CASES = {
     # task: (sent, valid arrays, valid metrics, [(label, arrays, metrics, expected message)])
     TRAIN: (Sent({MODELS: 1}, {}), model(), {}, [
@@ -157,6 +157,16 @@ def test_similarities_are_required_only_when_directions_were_sent():
     with_directions = Sent({MODELS: 2, DIRECTIONS: 2}, {})
     assert "similarity_0" in TRAIN_SELECT.problem_with_reply(model(), select_metrics(2), with_directions, SPEC)
     assert TRAIN_SELECT.problem_with_reply(model(), select_metrics(2, True), with_directions, SPEC) is None
+
+
+def test_eigenvalues_are_part_of_a_gram_eigen_reply_only_when_shared():
+    """The paper's relevance (eq. 3) needs no eigenvalues of the others: its users send none, and a
+    reply that carries them anyway is refused."""
+    unshared = Sent({}, EIGEN_SENT.config | {protocol.SHARE_EIGENVALUES_KEY: False})
+    vectors, values = np.zeros((3, 5), np.float32), np.ones(3, np.float32)
+    assert GRAM_EIGEN.problem_with_reply([vectors], {}, unshared, SPEC) is None
+    assert "expected arrays of shapes [(3, 5)]" in GRAM_EIGEN.problem_with_reply([vectors, values], {}, unshared, SPEC)
+    assert GRAM_EIGEN.unpack_reply(GRAM_EIGEN.pack_reply({EIGENVECTORS: [vectors], EIGENVALUES: []}), unshared, SPEC)[EIGENVALUES] == []
 
 
 def test_replies_unpack_into_their_declared_blocks():

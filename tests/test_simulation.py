@@ -196,8 +196,9 @@ def test_dac_beats_random_gossip_on_the_minority_cluster_through_ray(rotation_go
     assert dac["purity"] == 1.0  # the similarity matrix's clusters are the rotations
     communication = np.load(dac_dir / "communication.npy")
     assert communication[15:, 15:].sum() > communication[15:, :15].sum()  # the rotated mostly sample each other
-    assert communication.trace() == 0 and communication.sum() == 12 * 20 * 3
+    assert communication.trace() == 0 and communication.sum() == (12 - 1) * 20 * 3  # round 1 pretrains
     rows = read_rounds(dac_dir)
+    assert rows[0]["phase"] == "pretrain" and {r["phase"] for r in rows[1:]} == {"dac"}
     assert "mean_best_val_accuracy" in rows[-1] and rows[-1]["tau"] == 30.0
     for name in ("communication.png", "similarity.npy"):
         assert (dac_dir / name).is_file(), name

@@ -43,7 +43,9 @@ FIXTURE = Path(os.environ.get("FEDCLUSTER_TRAJECTORIES") or HERE / "fixtures" / 
 STRATEGY_OVERRIDES: dict[str, tuple[str, ...]] = {
     "fedavg": (), "local": (), "oracle": (), "flhc": (),
     "ifca": (), "gradloss": ("strategy.loss_reduction=mean", "strategy.lambda=0.5"),
-    "oneshot_hfl": ("strategy.threshold=null", "strategy.num_clusters=4", "strategy.shared_layers=[fc]"),
+    # amiri: the relevance rule this entry was recorded with (the paper's rule, now the default, sends no eigenvalues)
+    "oneshot_hfl": ("strategy.threshold=null", "strategy.num_clusters=4", "strategy.shared_layers=[fc]",
+                    "strategy.relevance=amiri"),
     "dac": ("strategy.num_neighbours=3",), "random_gossip": ("strategy.num_neighbours=3",),
     # Lin et al. as published: every client every round, one gradient step, one forced per cluster
     "gradloss_one_step": ("strategy.local_update=one_step", "strategy.cluster_guard=one_per_cluster",

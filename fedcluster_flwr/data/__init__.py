@@ -1,7 +1,7 @@
 """Datasets (loaded once per process) and partitioners with true cluster ids."""
 
 from .datasets import DATASETS, DataError, DatasetPool, load_pool, resolve_data_dir
-from .partitions import PARTITIONERS, ClientTransform, Partition, make_partition
+from .partitions import PARTITIONERS, ClientTransform, Partition, cluster_names, make_partition
 
 __all__ = [
     "DATASETS",
@@ -10,6 +10,7 @@ __all__ = [
     "DataError",
     "DatasetPool",
     "Partition",
+    "cluster_names",
     "load_pool",
     "make_partition",
     "resolve_data_dir",

@@ -84,6 +84,10 @@ class LabelSwapOptions:
                     f"expected two different labels, got {list(pair)}",
                 )
 
+    def cluster_name(self, k: int) -> str:
+        a, b = self.swaps[k] if self.swaps is not None else (2 * k, 2 * k + 1)
+        return f"swap {a}↔{b}"
+
 
 @dataclass(frozen=True)
 class RotationOptions:
@@ -95,6 +99,9 @@ class RotationOptions:
     def validate(self, prefix: str) -> None:
         require(len(self.angles) >= 1, f"{prefix}.angles", "needs at least one angle")
         _check_sizes(self.cluster_sizes, len(self.angles), prefix, "angles")
+
+    def cluster_name(self, k: int) -> str:
+        return f"{self.angles[k]:g}°"
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,9 @@ class LabelGroupsOptions:
             f"must be in [0, 1), got {self.minority_fraction}",
         )
         _check_sizes(self.cluster_sizes, len(self.groups), prefix, "groups")
+
+    def cluster_name(self, k: int) -> str:
+        return "labels " + ",".join(map(str, self.groups[k]))
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,9 @@ class ClassSubsetsOptions:
             require(len(self.cluster_samples) == len(self.subsets), f"{prefix}.cluster_samples",
                     f"needs one total per entry of subsets ({len(self.subsets)}), got {len(self.cluster_samples)}")
             require(all(s >= 1 for s in self.cluster_samples), f"{prefix}.cluster_samples", "totals must be >= 1")
+
+    def cluster_name(self, k: int) -> str:
+        return "classes " + ",".join(map(str, self.subsets[k]))
 
 
 @dataclass(frozen=True)
@@ -539,6 +552,13 @@ def make_partition(
         transforms=tuple(transforms),
         val_indices=tuple(val),
     )
+
+
+def cluster_names(options: Any, num_clusters: int) -> tuple[str, ...]:
+    """What each true cluster is, for plots ("180°", "labels 0,1,8,9"), from the partitioner's
+    options; "cluster k" where a partitioner's clusters have no other name."""
+    name = getattr(options, "cluster_name", None)
+    return tuple(name(k) if callable(name) else f"cluster {k}" for k in range(num_clusters))
 
 
 def option_fields(name: str) -> list[str]:

@@ -7,7 +7,7 @@ the per-round metrics, summary and checkpoints; each other module is one algorit
 
 from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
 from .directory import FederationError
-from .dac import DAC, DACVar, OracleGossip, RandomGossip
+from .dac import DAC, PENS, DACVar, OracleGossip, RandomGossip
 from .fedavg import FedAvg, LocalOnly, OracleClusters
 from .flhc import FLHC
 from .ifca import IFCA, GradLoss
@@ -17,7 +17,7 @@ STRATEGIES: dict[str, type[ClusteredStrategy]] = {
     cls.name: cls
     for cls in (
         FedAvg, LocalOnly, OracleClusters, FLHC, IFCA, GradLoss, OneShotHFL, RandomClusters, OracleHFL,
-        DAC, DACVar, RandomGossip, OracleGossip,
+        DAC, DACVar, PENS, RandomGossip, OracleGossip,
     )
 }
 

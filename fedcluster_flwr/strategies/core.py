@@ -88,6 +88,7 @@ class StrategySetup:
     input_shape: tuple[int, ...] | None = None  # of the dataset's images (C, H, W)
     stop_round: int | None = None  # stop (and checkpoint) after this round, before ``rounds``: a shared prefix
     numeric_platform: Mapping[str, str] | None = None  # the server process's (numerics.numeric_platform)
+    cluster_names: Sequence[str] | None = None  # what each true cluster is, by id ("180°"), for plots
 
     @property
     def model_spec(self) -> ModelSpec:

@@ -1,5 +1,6 @@
 """DAC: decentralized adaptive clustering by similarity-weighted gossip (Zec et al., "Decentralized
-adaptive clustering of deep nets is beneficial for client collaboration"), and its baselines.
+adaptive clustering of deep nets is beneficial for client collaboration"), PENS (Onoszko et al.,
+"Decentralized federated learning of deep neural networks on non-iid data") and the gossip baselines.
 
 Peer-to-peer learning, simulated through Flower: Flower has no peer-to-peer transport, so the
 server is only a *relay*. It keeps every client's personal model as that client's mailbox, plus
@@ -7,7 +8,12 @@ the relay's state (similarities, who met whom); it never averages anything itsel
 counted as if peers sent models to each other: each participating client downloads its m
 neighbours' models (and its own, from its mailbox) and uploads its new model.
 
-Each round, for each participating client i (``client_fraction`` of the online clients):
+Round 1, pretraining (``pretrain_epochs``; default ``client.epochs``, as the reference code
+github.com/edvinli/DAC does before its first exchange; 0: none): every online client trains its
+own model alone (task ``train``), so that the first exchange scores trained models, not untrained
+ones whose losses are all about ln 10. A client that misses it (it failed, or joined later)
+pretrains the first round it is online and is nobody's neighbour until then. Then each round, for
+each participating client i (``client_fraction`` of the online, pretrained clients):
 
 1. the relay samples m = ``num_neighbours`` other clients *without replacement*, with
    p_i = softmax(τ · s_i) over the others (never i itself; uniform while i knows nobody);
@@ -16,13 +22,21 @@ Each round, for each participating client i (``client_fraction`` of the online c
    trains ``client.epochs`` local epochs and returns its model and the m losses (task
    ``gossip_train``);
 3. the relay records s_ij = 1 / loss_ij for the sampled pairs. For pairs i, k never sampled it
-   uses the two-hop approximation: among the clients j that i has met and that have met k, the
-   one most similar to i lends its similarity, s_ik = s_jk (``two_hop: false`` switches it off,
-   the paper's "DAC −" ablation).
+   uses a two-hop estimate (``two_hop: false`` switches it off, the paper's "DAC −"):
 
-``dac_var`` grows τ each round by a sigmoid schedule from about 0 to ``tau_max`` (the paper's
-DAC-var); ``random_gossip`` samples neighbours uniformly; ``oracle_gossip`` only from the
-client's true cluster. ``local`` (no communication) is the existing strategy.
+   * ``two_hop_estimate: paper`` (the paper's text): among the clients j that i has met and that
+     have *measured* k, the one most similar to i lends its similarity, s_ik = s_jk, recomputed
+     from the measured similarities every round;
+   * ``reference`` (the reference code's ``train_DAC``): after its exchange, i takes, for every k
+     it has never sampled, the entry of k in the tables of *this round's* neighbours — measured or
+     themselves estimated — from the neighbour most similar to i, and keeps it until overwritten.
+     Estimates of estimates travel further than two hops. Clients update in partition-id order
+     within a round (the reference: in a random order), each seeing the tables updated before it.
+
+``dac_var`` grows τ with the exchanges (``tau_schedule``; see :func:`reference_tau` and
+:func:`centred_tau`); ``random_gossip`` samples neighbours uniformly; ``oracle_gossip`` only from
+the client's true cluster; ``pens`` selects its neighbours by loss first (see :class:`PENS`).
+``local`` (no communication) is the existing strategy.
 
 Personal models start from different initialisations (the paper's setting) or, with
 ``same_init: true``, from one. Soft clusters are made comparable with the other strategies'
@@ -34,23 +48,25 @@ i sampled j, clients ordered by true cluster.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from flwr.common import NDArrays
 
 from .. import protocol
+from ..aggregation import lowest
 from ..clustering import cluster_square
-from ..protocol import GOSSIP_TRAIN, MODELS
-from ..results import plot_similarity
+from ..protocol import GOSSIP_TRAIN, MODELS, TRAIN
+from ..results import plot_client_matrix
 from ..schema import require
 from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_fraction
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
+PRETRAIN_PHASE = "pretrain"
 
 
 @dataclass(frozen=True)
@@ -58,20 +74,37 @@ class GossipOptions:
     num_neighbours: int = 5
     client_fraction: float = 1.0
     same_init: bool = False
+    pretrain_epochs: int | None = None  # local epochs before the first exchange; None: client.epochs (the reference code's)
 
     def validate(self, prefix: str) -> None:
         require(self.num_neighbours >= 1, f"{prefix}.num_neighbours", f"must be >= 1, got {self.num_neighbours}")
         require_fraction(self.client_fraction, f"{prefix}.client_fraction")
+        if self.pretrain_epochs is not None:
+            require(self.pretrain_epochs >= 0, f"{prefix}.pretrain_epochs",
+                    f"must be >= 0 (0: no pretraining; null: client.epochs), got {self.pretrain_epochs}")
 
     def check_experiment(self, config: Any) -> None:
         require(self.num_neighbours < config.partition.num_clients, "strategy.num_neighbours",
                 f"must be below partition.num_clients ({config.partition.num_clients}): a client never samples itself")
+        if self.pretrain_epochs != 0:  # round 1 only pretrains
+            require(config.rounds >= 2, "rounds",
+                    f"round 1 only pretrains (strategy.pretrain_epochs); give 2 or more, got {config.rounds}")
 
 
 @dataclass(frozen=True)
-class DACOptions(GossipOptions):
-    tau: float = 30.0
+class DACCommonOptions(GossipOptions):
     two_hop: bool = True
+    two_hop_estimate: Literal["paper", "reference"] = "paper"
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        require(self.two_hop or self.two_hop_estimate == "paper", f"{prefix}.two_hop_estimate",
+                f"'{self.two_hop_estimate}' chooses how two-hop estimates are made, but two_hop is false")
+
+
+@dataclass(frozen=True)
+class DACOptions(DACCommonOptions):
+    tau: float = 30.0
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -79,18 +112,44 @@ class DACOptions(GossipOptions):
 
 
 @dataclass(frozen=True)
-class DACVarOptions(GossipOptions):
+class DACVarOptions(DACCommonOptions):
     tau_max: float = 30.0
-    two_hop: bool = True
+    tau_schedule: Literal["reference", "centred"] = "reference"
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
         require(self.tau_max >= 0, f"{prefix}.tau_max", f"must be >= 0, got {self.tau_max}")
 
 
+@dataclass(frozen=True)
+class PENSOptions(GossipOptions):
+    num_kept: int = 2  # m: of the num_neighbours (n) drawn in a selection round, the lowest-loss ones merged
+    selection_rounds: int = 10
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        require(1 <= self.num_kept <= self.num_neighbours, f"{prefix}.num_kept",
+                f"must be in 1..num_neighbours ({self.num_neighbours}): of the peers drawn, the ones kept; got {self.num_kept}")
+        require(self.selection_rounds >= 1, f"{prefix}.selection_rounds", f"must be >= 1, got {self.selection_rounds}")
+
+
+def reference_tau(t: float, tau: float) -> float:
+    """DAC-var's τ after exchange t (t = 0 the first), as the reference code's
+    ``tau_function(t, a=τ, b=0.2)`` = 2a / (1 + e^(−0.2 t)) − a + 1 = a · tanh(0.1 t) + 1:
+    1 at t = 0, ≈ 0.8 a + 1 at t = 10, ≈ a + 1 for t ≳ 30."""
+    return tau * math.tanh(0.1 * t) + 1.0
+
+
+def centred_tau(server_round: int, tau_max: float, rounds: int) -> float:
+    """The earlier, centred schedule: τ = τ_max · σ((t − T/2) / (T/10)) with t the server round and
+    T = ``rounds``: ≈ 0.7 % of τ_max at t = 0, its half at T/2 (≈ 0.5 at round 10 of 100)."""
+    return tau_max / (1.0 + math.exp(-(server_round - rounds / 2) / max(rounds / 10, 1e-9)))
+
+
 def two_hop_similarities(similarity: np.ndarray, met: np.ndarray) -> np.ndarray:
-    """``similarity`` with each unknown entry (i, k) filled from i's most similar met neighbour j
-    that has met k: s_ik = s_jk. Measured entries are kept; entries with no such j stay NaN."""
+    """The paper's two-hop estimate: ``similarity`` with each unknown entry (i, k) filled from i's
+    most similar met neighbour j that has met k: s_ik = s_jk. Measured entries are kept; entries
+    with no such j stay NaN."""
     filled = similarity.copy()
     for i in range(len(similarity)):
         known = np.flatnonzero(met[i])
@@ -104,6 +163,23 @@ def two_hop_similarities(similarity: np.ndarray, met: np.ndarray) -> np.ndarray:
             if lender is not None:
                 filled[i, k] = similarity[lender, k]
     return filled
+
+
+def reference_two_hop_update(table: np.ndarray, met: np.ndarray, i: int, neighbours: Sequence[int]) -> None:
+    """The reference code's two-hop step for client i after an exchange with ``neighbours``, in
+    place on the similarity ``table`` (measured and estimated entries; NaN unknown): every k that
+    i has never sampled and that some neighbour's row knows takes that neighbour's entry, from the
+    neighbour i finds most similar (ties: the first drawn)."""
+    neighbours = np.asarray(neighbours, dtype=np.int64)
+    if not len(neighbours):
+        return
+    known = ~np.isnan(table[neighbours])  # neighbours x clients
+    for k in np.flatnonzero(known.any(axis=0) & ~met[i]):
+        if k == i:
+            continue
+        holders = neighbours[known[:, k]]
+        lender = holders[int(np.argmax(table[i, holders]))]
+        table[i, k] = table[lender, k]
 
 
 class Gossip(ClusteredStrategy):
@@ -122,6 +198,9 @@ class Gossip(ClusteredStrategy):
         self.communication = np.zeros((n, n), dtype=np.int64)  # how often i sampled j
         self.estimate = self.similarity  # the similarities neighbours are drawn by: measured (+ two-hop)
         self.num_true_clusters = len(np.unique(setup.true_clusters))
+        self.pretrained = np.full(n, options.pretrain_epochs == 0)  # without pretraining, everyone is ready
+        self.exchanges = 0  # exchange rounds so far (the first round that only pretrains is none)
+        self.round_phase = self.name
 
     # ---- who meets whom ---------------------------------------------------------------------------
 
@@ -132,14 +211,14 @@ class Gossip(ClusteredStrategy):
     def neighbours(self, server_round: int, pid: int) -> list[int]:
         """m online neighbours of ``pid`` sampled without replacement, p ∝ exp(:meth:`neighbour_scores`).
 
-        Only online clients are candidates: a client that has not joined yet holds an untrained
-        model that would dilute the merge.
+        Only online, pretrained clients are candidates: a client that has not joined or not
+        pretrained yet holds an untrained model that would dilute the merge.
 
         Sequential sampling without replacement is the top m of score + Gumbel noise
         (Plackett-Luce), computed in log space: with a large τ the softmax weights of all but
         the best candidates underflow to 0, yet the m most similar are still drawn in turn.
         """
-        candidates = np.array([p for p in self.online if p != pid], dtype=np.int64)
+        candidates = np.array([p for p in self.online if p != pid and self.pretrained[p]], dtype=np.int64)
         scores = self.neighbour_scores(server_round, pid, candidates)
         allowed = np.isfinite(scores)
         count = min(self.options.num_neighbours, int(allowed.sum()))
@@ -148,32 +227,71 @@ class Gossip(ClusteredStrategy):
 
     # ---- the round ---------------------------------------------------------------------------------
 
+    @property
+    def pretrain_epochs(self) -> int | None:
+        """Epochs of pretraining sent to the clients (None: their own ``client.epochs``)."""
+        return self.options.pretrain_epochs
+
     def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
-        instructions = []
+        unready = [p for p in online if not self.pretrained[p]]
+        pretraining = [self.pretrain(p) for p in unready]
+        if not self.pretrained.any():  # the first round: everyone pretrains, nobody exchanges yet
+            self.round_phase = PRETRAIN_PHASE
+            return pretraining
+        self.round_phase = self.exchange_phase()
+        ready = [p for p in online if self.pretrained[p]]
+        return pretraining + [self.exchange(server_round, p) for p in self.sample(ready, self.options.client_fraction)]
+
+    def pretrain(self, pid: int) -> Instruction:
+        """``pid`` trains its own model alone before its first exchange."""
+        config = {} if self.pretrain_epochs is None else {protocol.EPOCHS_KEY: int(self.pretrain_epochs)}
+        return Instruction(pid, TRAIN, {MODELS: [self.client_models[pid]]}, config)
+
+    def exchange(self, server_round: int, pid: int) -> Instruction:
+        """``pid`` gets its own model and its sampled neighbours' (task gossip_train)."""
+        chosen = self.neighbours(server_round, pid)
         sizes = self.setup.train_sizes
-        for pid in self.sample(online, self.options.client_fraction):
-            chosen = self.neighbours(server_round, pid)
-            config = {protocol.indexed(protocol.SAMPLES_KEY, j): int(sizes[q]) if sizes is not None else 1
-                      for j, q in enumerate(chosen)}
-            models = [self.client_models[pid]] + [self.client_models[q] for q in chosen]
-            instructions.append(Instruction(pid, GOSSIP_TRAIN, {MODELS: models}, config, clusters=tuple(chosen)))
-        return instructions
+        config = {protocol.indexed(protocol.SAMPLES_KEY, j): int(sizes[q]) if sizes is not None else 1
+                  for j, q in enumerate(chosen)} | self.exchange_config()
+        models = [self.client_models[pid]] + [self.client_models[q] for q in chosen]
+        return Instruction(pid, GOSSIP_TRAIN, {MODELS: models}, config, clusters=tuple(chosen))
+
+    def exchange_config(self) -> dict[str, int]:
+        """Extra scalars of this round's gossip_train instructions."""
+        return {}
+
+    def exchange_phase(self) -> str:
+        """Name of the current exchange round's phase."""
+        return self.name
 
     def absorb(self, server_round: int, replies: list[Reply]) -> None:
         for reply in replies:
             i = reply.pid
             self.client_models[i] = reply.model()
-            for j, k in enumerate(reply.instruction.clusters):
-                loss = float(reply.metrics[protocol.indexed(protocol.LOSS, j)])  # >= 0 by the task's schema
+            if reply.task is TRAIN:
+                self.pretrained[i] = True
+                continue
+            losses = [float(reply.metrics[protocol.indexed(protocol.LOSS, j)])  # >= 0 by the task's schema
+                      for j in range(len(reply.instruction.clusters))]
+            for k, loss in zip(reply.instruction.clusters, losses):
                 self.similarity[i, k] = 1.0 / max(loss, MIN_LOSS)
                 self.met[i, k] = True
                 self.communication[i, k] += 1
+            self.after_exchange(i, reply.instruction.clusters, losses)
+        if self.round_phase != PRETRAIN_PHASE:
+            self.exchanges += 1
         self.estimate = self.effective_similarity()
+
+    def after_exchange(self, pid: int, neighbours: Sequence[int], losses: Sequence[float]) -> None:
+        """What the relay learns from one client's exchange beyond s = 1/loss (replies in partition-id order)."""
 
     def after_round(self, server_round: int) -> None:
         """Soft clusters made hard for the metrics: HAC of the similarity into the true number of clusters."""
         if self.met.any():
             self.assignment[:] = self.implied_clusters()
+
+    def phase(self, server_round: int) -> str:
+        return self.round_phase
 
     def effective_similarity(self) -> np.ndarray:
         """The measured similarities and, where a strategy estimates more, its estimates."""
@@ -191,29 +309,35 @@ class Gossip(ClusteredStrategy):
     # ---- records -----------------------------------------------------------------------------------
 
     def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
-        return {"pairs_met": int(self.met.sum())}
+        return {"pairs_met": int(self.met.sum()), "exchanges": self.exchanges}
 
     def extra_state(self) -> dict[str, Any]:
-        return {"similarity": np.where(np.isnan(self.similarity), -1.0, self.similarity).tolist(),
-                "met": self.met.tolist(), "communication": self.communication.tolist()}
+        return {"similarity": _nan_to_minus_one(self.similarity), "met": self.met.tolist(),
+                "communication": self.communication.tolist(), "pretrained": self.pretrained.tolist(),
+                "exchanges": self.exchanges}
 
     def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        similarity = np.asarray(state["similarity"], dtype=float)
-        self.similarity = np.where(similarity < 0, np.nan, similarity)
+        self.similarity = _minus_one_to_nan(state["similarity"])
         self.met = np.asarray(state["met"], dtype=bool)
         self.communication = np.asarray(state["communication"], dtype=np.int64)
+        # checkpoints from before pretraining existed: every client past it, every round an exchange
+        self.pretrained = np.asarray(state.get("pretrained", [True] * len(self.met)), dtype=bool)
+        self.exchanges = int(state.get("exchanges", state["round"]))
         self.estimate = self.effective_similarity()
+
+    @classmethod
+    def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """Pretraining is round 1's work: a branch from a later round can no longer change it."""
+        return ("pretrain_epochs",) if state.get("round", 0) >= 1 else ()
 
     def write_artifacts(self) -> None:
         """``communication.npy`` / ``communication.png`` (how often i sampled j) and ``similarity.npy``."""
         run_dir = self.setup.recorder.run_dir
         np.save(run_dir / "communication.npy", self.communication)
         np.save(run_dir / "similarity.npy", self.estimate)
-        true = self.setup.true_clusters
-        order = np.lexsort((np.arange(len(true)), true))
         counts = self.communication / max(int(self.communication.max()), 1)
-        plot_similarity(counts, [f"{p}:{t}" for p, t in enumerate(true)], order, run_dir / "communication.png",
-                        f"{self.name}: how often i (row) sampled j, scaled to the most frequent pair")
+        plot_client_matrix(counts, self.setup.true_clusters, self.setup.cluster_names, run_dir / "communication.png",
+                           f"{self.name}: how often client i (row) sampled j", "share of the most frequent pair")
 
     # ---- internals ---------------------------------------------------------------------------------
 
@@ -224,6 +348,15 @@ class Gossip(ClusteredStrategy):
         if self.setup.init_weights is None:
             raise ValueError(f"{self.name} needs StrategySetup.init_weights for different initialisations")
         return self.setup.init_weights(int(np.random.SeedSequence([self.setup.seed, pid, 7]).generate_state(1)[0]))
+
+
+def _nan_to_minus_one(matrix: np.ndarray) -> list:
+    return np.where(np.isnan(matrix), -1.0, matrix).tolist()  # similarities are > 0: -1 marks unknown
+
+
+def _minus_one_to_nan(rows: Any) -> np.ndarray:
+    matrix = np.asarray(rows, dtype=float)
+    return np.where(matrix < 0, np.nan, matrix)
 
 
 class RandomGossip(Gossip):
@@ -248,29 +381,141 @@ class DAC(Gossip):
     name = "dac"
     Options = DACOptions
 
+    def __init__(self, options: DACCommonOptions, setup: StrategySetup) -> None:
+        super().__init__(options, setup)
+        # two_hop_estimate reference: one table per client of measured and estimated similarities, kept across rounds
+        self.reference_table = self.similarity.copy()
+        self.round_tau = self.tau(0)
+
     def tau(self, server_round: int) -> float:
+        """τ of the draws of the round in progress (``exchanges`` is its 0-based exchange index
+        until its replies are in)."""
         return self.options.tau
+
+    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
+        self.round_tau = self.tau(server_round)  # recorded with the round (``rounds.jsonl``'s ``tau``)
+        return super().fit_instructions(server_round, online)
+
+    @property
+    def reference_two_hop(self) -> bool:
+        return self.options.two_hop and self.options.two_hop_estimate == "reference"
+
+    def after_exchange(self, pid: int, neighbours: Sequence[int], losses: Sequence[float]) -> None:
+        if self.reference_two_hop:
+            self.reference_table[pid, list(neighbours)] = self.similarity[pid, list(neighbours)]
+            reference_two_hop_update(self.reference_table, self.met, pid, neighbours)
 
     def effective_similarity(self) -> np.ndarray:
         if not self.options.two_hop:
             return self.similarity
+        if self.reference_two_hop:
+            return self.reference_table
         return two_hop_similarities(self.similarity, self.met)
 
     def neighbour_scores(self, server_round: int, pid: int, candidates: np.ndarray) -> np.ndarray:
-        """τ · s_i (p = softmax(τ · s_i)); a pair with no estimate scores s = 0 (uniform at round 1)."""
+        """τ · s_i (p = softmax(τ · s_i)); a pair with no estimate scores s = 0 (uniform at the first exchange)."""
         return self.tau(server_round) * np.nan_to_num(self.estimate[pid, candidates], nan=0.0)
 
     def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
-        return super().extra_round_metrics(server_round) | {"tau": self.tau(server_round)}
+        return super().extra_round_metrics(server_round) | {"tau": self.round_tau}
+
+    def extra_state(self) -> dict[str, Any]:
+        return super().extra_state() | {"reference_table": _nan_to_minus_one(self.reference_table)}
+
+    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
+        self.reference_table = _minus_one_to_nan(state.get("reference_table", state["similarity"]))
+        super().restore_extra(models, state)
 
 
 class DACVar(DAC):
-    """DAC with τ grown by a sigmoid from about 0 (round 1) to ``tau_max`` (the last round)."""
+    """DAC with τ grown over the exchanges (``tau_schedule``)."""
 
     name = "dac_var"
     Options = DACVarOptions
 
     def tau(self, server_round: int) -> float:
-        """τ_t = tau_max · σ((t − T/2) / (T/10)): ≈ 0.7 % of tau_max at t = 0, its half at T/2."""
-        rounds = self.setup.rounds
-        return self.options.tau_max / (1.0 + math.exp(-(server_round - rounds / 2) / max(rounds / 10, 1e-9)))
+        """τ of the draws of the round in progress.
+
+        * ``reference`` (the reference code's DAC_var): a client draws with the softmax weights it
+          computed at the end of its previous exchange, so exchange e (0-based) draws with
+          τ = :func:`reference_tau` (e − 1); the first exchange draws uniformly, nothing being known yet.
+        * ``centred``: :func:`centred_tau` of the server round.
+        """
+        if self.options.tau_schedule == "centred":
+            return centred_tau(server_round, self.options.tau_max, self.setup.rounds)
+        return reference_tau(max(self.exchanges - 1, 0), self.options.tau_max)
+
+
+class PENS(Gossip):
+    """PENS (Onoszko et al., 2021): performance-based neighbour selection, then gossip.
+
+    * Selection (the first ``selection_rounds`` exchange rounds): each participating client draws
+      n = ``num_neighbours`` peers uniformly, measures their models' loss on its training data and
+      merges only the m = ``num_kept`` of lowest loss with its own (``merge_lowest``); the relay
+      counts how often i kept j.
+    * Then i gossips only with the peers it kept more often than expected by chance: more than
+      (m / N) · ``selection_rounds`` times, N the number of clients (the reference code's
+      ``train_pens`` + ``gossip``). Each round it draws min(n, its kept set) of them uniformly
+      and merges them all.
+
+    Choices the paper leaves open, taken as the reference code does: the same n is drawn in both
+    phases; the threshold counts N with every client (online or not) and the nominal number of
+    selection rounds, also for a client that missed some; a client whose kept set is empty (e.g.
+    one that joined after the selection) trains alone, as the reference's ``gossip`` does with no
+    neighbours. The defaults n = 5 (the DAC paper's five per round), m = 2 and 10 selection
+    rounds are ours.
+    """
+
+    name = "pens"
+    Options = PENSOptions
+
+    def __init__(self, options: PENSOptions, setup: StrategySetup) -> None:
+        super().__init__(options, setup)
+        n = setup.num_clients
+        self.kept_counts = np.zeros((n, n), dtype=np.int64)  # how often i kept j in the selection rounds
+        self.neighbour_sets = np.zeros((n, n), dtype=bool)  # after the selection: whom i gossips with
+
+    @property
+    def selecting(self) -> bool:
+        return self.exchanges < self.options.selection_rounds
+
+    def exchange_phase(self) -> str:
+        return "pens_selection" if self.selecting else "pens_gossip"
+
+    def exchange_config(self) -> dict[str, int]:
+        return {protocol.MERGE_LOWEST_KEY: self.options.num_kept} if self.selecting else {}
+
+    def neighbour_scores(self, server_round: int, pid: int, candidates: np.ndarray) -> np.ndarray:
+        if self.selecting:
+            return np.zeros(len(candidates))
+        return np.where(self.neighbour_sets[pid, candidates], 0.0, -np.inf)
+
+    def after_exchange(self, pid: int, neighbours: Sequence[int], losses: Sequence[float]) -> None:
+        if self.round_phase == "pens_selection":  # the client merged these: the same rule, on the same losses
+            for j in lowest(losses, self.options.num_kept):
+                self.kept_counts[pid, neighbours[j]] += 1
+
+    def absorb(self, server_round: int, replies: list[Reply]) -> None:
+        super().absorb(server_round, replies)
+        if self.round_phase == "pens_selection" and not self.selecting:  # the last selection round
+            expected = self.options.num_kept / self.setup.num_clients * self.options.selection_rounds
+            self.neighbour_sets = self.kept_counts > expected
+
+    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+        sizes = self.neighbour_sets.sum(axis=1)
+        return super().extra_round_metrics(server_round) | {"mean_neighbour_set": float(sizes.mean())}
+
+    def extra_state(self) -> dict[str, Any]:
+        return super().extra_state() | {"kept_counts": self.kept_counts.tolist(),
+                                        "neighbour_sets": self.neighbour_sets.tolist()}
+
+    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
+        super().restore_extra(models, state)
+        self.kept_counts = np.asarray(state["kept_counts"], dtype=np.int64)
+        self.neighbour_sets = np.asarray(state["neighbour_sets"], dtype=bool)
+
+    @classmethod
+    def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """Once a selection round ran, its n, m and length shaped the counts."""
+        selection = ("num_kept", "selection_rounds") if state.get("exchanges", 0) >= 1 else ()
+        return super().options_fixed_by(state) + selection

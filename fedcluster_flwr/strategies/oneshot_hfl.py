@@ -4,9 +4,13 @@
 The algorithm (``oneshot_hfl``):
 
 1. Round 1 (task ``gram_eigen``): every client computes G = (1/n) Φ(X)ᵀΦ(X) of its training
-   images and returns its top ``num_eigenvectors`` eigenvectors and eigenvalues.
-2. Round 2 (task ``relevance``): every client receives all clients' eigenpairs and returns its
-   row of relevances r(i, ·) (eqs. 2–4). The server forms R = (r + rᵀ)/2 (eq. 5) and clusters
+   images and returns its top ``num_eigenvectors`` eigenvectors (and, with ``relevance: amiri``
+   only, their eigenvalues).
+2. Round 2 (task ``relevance``): every client receives all clients' eigenvectors (and
+   eigenvalues) and returns its row of relevances r(i, ·) (eqs. 2–4): ``relevance: paper`` (the
+   default) compares ‖G_i v_k^(j)‖ with client i's own k-th eigenvalue, as the paper's eq. 3 and
+   Algorithm 2 do; ``amiri`` with client j's, as Amiri et al.'s original form (see
+   :func:`~fedcluster_flwr.clustering.relevance_row`). The server forms R = (r + rᵀ)/2 (eq. 5) and clusters
    1 − R agglomeratively into ``num_clusters`` T (or cut at ``threshold``) — once, before any
    training.
 3. Rounds 3..: one local parameter server (LPS) model per cluster, FedAvg over a fraction
@@ -23,7 +27,7 @@ A client absent from the one-shot phase (it failed, or joined later) joins the L
 model has its lowest training loss, the first time it is online afterwards.
 
 Communication: ``bytes_up``/``bytes_down`` are client↔LPS traffic (the one-shot rounds'
-eigenpairs and relevance rows included); ``bytes_gps`` counts LPS↔GPS traffic (each LPS
+eigen-summaries and relevance rows included); ``bytes_gps`` counts LPS↔GPS traffic (each LPS
 uploads its shared layers and downloads their average).
 """
 
@@ -43,7 +47,7 @@ from ..clustering import HacResult, cluster_by_relevance, relevance_matrix, with
 from ..features import check_weights_file, feature_dim
 from ..models import model_outline, parameter_names, parameters_with_prefixes
 from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
-from ..results import plot_dendrogram, plot_similarity
+from ..results import plot_client_matrix, plot_dendrogram
 from ..schema import require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_clusters_fit, require_fraction
@@ -89,6 +93,7 @@ class OneShotOptions(HFLOptions):
     feature_dim: int | None = None  # random_projection only
     pretrained_weights: str | None = None  # pretrained only: a ResNet-18 state_dict on disk
     num_eigenvectors: int = 5
+    relevance: Literal["paper", "amiri"] = "paper"  # eq. 3 with the client's own eigenvalue; amiri: with j's
     num_clusters: int | None = None
     threshold: float | None = None  # on 1 - R, in [0, 1]
     linkage: Literal["single", "complete", "average"] = "average"
@@ -258,7 +263,8 @@ class OneShotHFL(HierarchicalFL):
         if setup.input_shape is None:
             raise ValueError("oneshot_hfl needs StrategySetup.input_shape")
         self.dim = feature_dim(options.features, setup.input_shape, options.feature_dim)
-        self.eigenpairs: dict[int, list[np.ndarray]] = {}  # pid -> [vectors (k, d), values (k,)]
+        # pid -> [vectors (k, d)], + [values (k,)] with relevance amiri (the paper's users share no eigenvalues)
+        self.summaries: dict[int, list[np.ndarray]] = {}
         self.rows: dict[int, np.ndarray] = {}
         self.relevance: np.ndarray | None = None
         self.clustered_pids: list[int] = []
@@ -273,33 +279,34 @@ class OneShotHFL(HierarchicalFL):
             protocol.FEATURE_DIM_KEY: self.dim,
             protocol.FEATURE_SEED_KEY: self.setup.seed,
             protocol.PRETRAINED_WEIGHTS_KEY: opts.pretrained_weights or "",
+            protocol.SHARE_EIGENVALUES_KEY: opts.relevance == "amiri",
         }
 
     def clustering_phase(self) -> str:
-        return "relevance" if self.eigenpairs else "gram_eigen"
+        return "relevance" if self.summaries else "gram_eigen"
 
     def clustering_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
         config = self.feature_config()
-        if not self.eigenpairs:
+        if not self.summaries:
             config[protocol.NUM_EIGENVECTORS_KEY] = self.options.num_eigenvectors
             return [Instruction(p, GRAM_EIGEN, {}, config) for p in online]
-        summaries = [self.eigenpairs[p] for p in sorted(self.eigenpairs)]
-        return [Instruction(p, RELEVANCE_ROW, {EIGENVECTORS: summaries}, config) for p in online if p in self.eigenpairs]
+        summaries = [self.summaries[p] for p in sorted(self.summaries)]
+        return [Instruction(p, RELEVANCE_ROW, {EIGENVECTORS: summaries}, config) for p in online if p in self.summaries]
 
     def absorb_clustering(self, server_round: int, replies: list[Reply]) -> None:
         self.oneshot_bytes["up"] += self.log.round.bytes_up
         self.oneshot_bytes["down"] += self.log.round.bytes_down
         needed = max(2, self.options.num_clusters or 2)
-        if not self.eigenpairs:
+        if not self.summaries:
             for reply in replies:
                 blocks = reply.blocks()
-                self.eigenpairs[reply.pid] = [blocks[EIGENVECTORS][0], blocks[EIGENVALUES][0]]
-            if len(self.eigenpairs) < needed:
+                self.summaries[reply.pid] = [*blocks[EIGENVECTORS], *blocks[EIGENVALUES]]  # no values unless shared
+            if len(self.summaries) < needed:
                 log(WARNING, "oneshot_hfl round %s: %d eigen-summaries, %d needed; asking again next round",
-                    server_round, len(self.eigenpairs), needed)
-                self.eigenpairs = {}
+                    server_round, len(self.summaries), needed)
+                self.summaries = {}
             return
-        summarised = sorted(self.eigenpairs)
+        summarised = sorted(self.summaries)
         self.rows.update({r.pid: r.blocks()[RELEVANCE][0] for r in replies})
         responders = [p for p in summarised if p in self.rows]
         if len(responders) < needed:
@@ -307,7 +314,7 @@ class OneShotHFL(HierarchicalFL):
             if len(reachable) < needed:  # the summarised clients alone can never make it: start over
                 log(WARNING, "oneshot_hfl round %s: %d relevance rows, %d needed, too few summarised clients "
                     "online; the one-shot phase starts over next round", server_round, len(responders), needed)
-                self.eigenpairs, self.rows = {}, {}
+                self.summaries, self.rows = {}, {}
             else:
                 log(WARNING, "oneshot_hfl round %s: %d relevance rows, %d needed; asking again next round",
                     server_round, len(responders), needed)
@@ -346,7 +353,8 @@ class OneShotHFL(HierarchicalFL):
             "relevance_across_true_clusters": across,
             "oneshot_bytes_up": self.oneshot_bytes["up"],
             "oneshot_bytes_down": self.oneshot_bytes["down"],
-            "eigen_summary_floats": k * d + k,  # per client, up; N times that down
+            "relevance_rule": self.options.relevance,
+            "eigen_summary_floats": k * d + (k if self.options.relevance == "amiri" else 0),  # per client, up; N times that down
         }
 
     def extra_state(self) -> dict[str, Any]:
@@ -361,7 +369,7 @@ class OneShotHFL(HierarchicalFL):
         """The one-shot phase in progress: eigen-summaries and relevance rows received so far."""
         if self.clustered:
             return {}
-        return ({f"{EIGEN_PREFIX}{p}": pair for p, pair in self.eigenpairs.items()}
+        return ({f"{EIGEN_PREFIX}{p}": summary for p, summary in self.summaries.items()}
                 | {f"{ROW_PREFIX}{p}": [row] for p, row in self.rows.items()})
 
     @classmethod
@@ -369,7 +377,8 @@ class OneShotHFL(HierarchicalFL):
         """Once clustered, the clusters came from the data summaries and the cut."""
         if not state.get("clustered"):
             return ()
-        return ("features", "feature_dim", "pretrained_weights", "num_eigenvectors", "num_clusters", "threshold", "linkage")
+        return ("features", "feature_dim", "pretrained_weights", "num_eigenvectors", "relevance", "num_clusters",
+                "threshold", "linkage")
 
     def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
         super().restore_extra(models, state)
@@ -382,23 +391,24 @@ class OneShotHFL(HierarchicalFL):
             self.hac = HacResult(self.assignment[self.clustered_pids].copy(), np.asarray(state["linkage"]), np.zeros(0))
         for name, arrays in models.items():
             if name.startswith(EIGEN_PREFIX) and (pid := name.removeprefix(EIGEN_PREFIX)).isdigit():
-                self.eigenpairs[int(pid)] = list(arrays)
+                self.summaries[int(pid)] = list(arrays)
             elif name.startswith(ROW_PREFIX) and (pid := name.removeprefix(ROW_PREFIX)).isdigit():
                 self.rows[int(pid)] = arrays[0]
 
     def write_artifacts(self) -> None:
-        """``relevance.npy`` (R over ``clustered_clients``), ``similarity.png`` (R ordered by
-        cluster, then true task) and ``dendrogram.png``."""
+        """``relevance.npy`` (R over ``clustered_clients``), ``similarity.png`` (R, clients ordered by
+        true task, with the clusters found beside it) and ``dendrogram.png``."""
         if self.relevance is None:
             return
         run_dir = self.setup.recorder.run_dir
         np.save(run_dir / "relevance.npy", self.relevance)
         true = self.setup.true_clusters[self.clustered_pids]
-        labels = [f"{p}:{t}" for p, t in zip(self.clustered_pids, true)]
         found = self.assignment[self.clustered_pids]
-        order = np.lexsort((np.asarray(self.clustered_pids), true, found))
-        plot_similarity(self.relevance, labels, order, run_dir / "similarity.png",
-                        f"relevance R, ordered by cluster ({self.options.features}, k={self.options.num_eigenvectors})")
+        plot_client_matrix(self.relevance, true, self.setup.cluster_names, run_dir / "similarity.png",
+                           f"relevance R ({self.options.relevance} rule, {self.options.features}, "
+                           f"k={self.options.num_eigenvectors}); strip: the {self.hac.num_clusters if self.hac else 0} clusters found",
+                           "R", clients=self.clustered_pids, found=found)
         if self.hac is not None and len(self.hac.linkage):
+            labels = [f"{p}:{t}" for p, t in zip(self.clustered_pids, true)]
             plot_dendrogram(self.hac.linkage, labels, self.options.threshold, run_dir / "dendrogram.png",
                             f"one-shot clustering of 1 - R ({self.options.linkage} linkage)")
