@@ -436,7 +436,7 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
 def test_pens_and_the_reference_two_hop_run_on_real_clients(tmp_path):
     """PENS and DAC with the reference code's two-hop estimates, end to end on real digits clients
     (in process): pretraining, selection with merge_lowest, gossip among the kept; nothing refused."""
-    from inprocess import run_in_process
+    from fedcluster_flwr.inprocess import run_in_process
 
     settings = ("rounds=6", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[14,6]",
                 "strategy.client_fraction=1.0", "strategy.num_neighbours=3", "client.epochs=1")
