@@ -1,21 +1,30 @@
-"""DAC (Zec et al.) against its ablation and the gossip baselines on rotated Fashion-MNIST,
-the same partitions and seeds for every method.
+"""DAC (Zec et al.) against its ablations, PENS and the gossip baselines on rotated Fashion-MNIST
+(the methods of the paper's Table 2), the same partitions and seeds for every method; and the
+variants this project adds (no pretraining, the reference code's two-hop estimate).
 
-    python benchmarks/dac/run.py --scale reduced          # ≈ 30 min on 2 CPU cores
-    python benchmarks/dac/run.py --scale full             # the paper's setting (hours on CPU; use a GPU)
-    python benchmarks/dac/run.py --conf dac_fmnist_rot4.yaml --methods dac,random_gossip
+    python benchmarks/dac/run.py --scale reduced                        # Table 2's methods, seeds 0-2
+    python benchmarks/dac/run.py --scale reduced --report variants.md \
+        --methods dac,dac_no_pretraining,dac_minus,dac_minus_no_pretraining,dac_reference_two_hop,dac_var,dac_var_centred
+    python benchmarks/dac/run.py --scale full                           # the paper's setting (use a GPU)
+    python benchmarks/dac/run.py --scale full --methods dac --seeds 0 --rounds 3   # time a few rounds
+    python benchmarks/dac/run.py --scale full --set simulation.num_gpus_per_client=0.0625   # 16 clients per GPU
 
-Needs Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Methods: ``dac``, ``dac_var``, ``dac_minus``
-(DAC without the two-hop estimates, the paper's "DAC −"), ``random_gossip``, ``oracle_gossip``
-and ``local``, all through Flower's Ray engine. Accuracy is each client's test accuracy of its
-model with the lowest validation loss so far (the paper's model selection), averaged per true
-cluster. Writes ``<out>/results.md``, ``<out>/communication_<method>.png`` (seed 0) and the run
-directories under ``<out>/runs/``.
+Needs Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Table 2's methods (the default ``--methods``):
+``dac``, ``dac_var``, ``dac_minus`` (DAC without the two-hop estimates, the paper's "DAC −"),
+``pens``, ``random_gossip``, ``oracle_gossip`` and ``local``; the variants ``dac_no_pretraining``,
+``dac_minus_no_pretraining``, ``dac_var_centred`` and ``dac_reference_two_hop``. All run through
+Flower's Ray engine. Every method gets the same number of rounds, so the same local training: with
+pretraining (the default, as the reference code) round 1 pretrains and the others exchange; without
+it, every round exchanges. Accuracy is each client's test accuracy of its model with the lowest
+validation loss so far (the paper's model selection), averaged per true cluster. Writes
+``<out>/results.md`` (``--report``), ``<out>/communication_<method>.png`` (seed 0) and the run directories under
+``<out>/runs/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -23,25 +32,35 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.config import load_config
+from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.results import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import mean_std, run_or_reuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+TABLE_2 = ("dac", "dac_var", "dac_minus", "pens", "random_gossip", "oracle_gossip", "local")
 METHODS: dict[str, dict[str, object]] = {
     "dac": {"strategy.name": "dac"},
     "dac_var": {"strategy.name": "dac_var"},
     "dac_minus": {"strategy.name": "dac", "strategy.two_hop": False},
+    "pens": {"strategy.name": "pens"},
     "random_gossip": {"strategy.name": "random_gossip"},
     "oracle_gossip": {"strategy.name": "oracle_gossip"},
     "local": {"strategy.name": "local"},
+    # variants
+    "dac_no_pretraining": {"strategy.name": "dac", "strategy.pretrain_epochs": 0},
+    "dac_minus_no_pretraining": {"strategy.name": "dac", "strategy.two_hop": False, "strategy.pretrain_epochs": 0},
+    "dac_var_centred": {"strategy.name": "dac_var", "strategy.tau_schedule": "centred"},
+    "dac_reference_two_hop": {"strategy.name": "dac", "strategy.two_hop_estimate": "reference"},
 }
 SCALES: dict[str, dict[str, object]] = {
+    # the conf as it is: 100 clients x (500 train + 100 validation + 100 test), the reference CNN,
+    # batch 8, 3 epochs of Adam, pretraining + 100 exchanges; PENS selects for its default 10 exchanges
     "full": {},
     # 100 clients and the cluster sizes kept; less data and training per client, fewer rounds.
     "reduced": {
-        "rounds": 15,
+        "rounds": 16,  # with pretraining: round 1 + 15 exchanges
         "partition.samples_per_client": 200,
         "partition.test_fraction": 0.25,  # 50 test
         "partition.val_fraction": 0.25,  # 50 validation, 100 train
@@ -50,23 +69,40 @@ SCALES: dict[str, dict[str, object]] = {
         "client.lr": 0.005,
     },
 }
+PENS_SELECTION = {"full": 10, "reduced": 5}  # selection rounds (ours: the paper's setting is not given)
 
 
-def run_one(conf: Path, scale: str, method: str, seed: int, out: Path, rounds: int | None = None) -> dict:
-    items = SCALES[scale] | METHODS[method] | {"seed": seed} | ({"rounds": rounds} if rounds else {})
+def run_one(conf: Path, scale: str, method: str, seed: int, out: Path, rounds: int | None = None,
+            extra: dict[str, object] | None = None) -> Path:
+    items = SCALES[scale] | METHODS[method] | {"seed": seed} | ({"rounds": rounds} if rounds else {}) | (extra or {})
+    if METHODS[method]["strategy.name"] == "pens":
+        items["strategy.selection_rounds"] = PENS_SELECTION[scale]
     config, _ = load_config(conf, list(items.items()))
-    return run_or_reuse(config, out / "runs" / f"{method}_seed{seed}")
+    run_dir = out / "runs" / f"{method}_seed{seed}"
+    run_or_reuse(config, run_dir)
+    return run_dir
+
+
+def share_within(communication: np.ndarray, true: np.ndarray, cluster: int) -> float:
+    """Share of cluster ``cluster``'s neighbour draws that went to its own cluster."""
+    rows = communication[true == cluster]
+    total = rows.sum()
+    return float(rows[:, true == cluster].sum() / total) if total else float("nan")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", choices=sorted(SCALES), default="reduced")
     parser.add_argument("--conf", default="dac_fmnist_rot_unequal.yaml", help="a file in conf/")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(TABLE_2), help=f"of {', '.join(METHODS)}")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rounds", type=int, default=None, help="override the scale's number of rounds")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report", default="results.md", help="the table's file name in the output folder")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further override for every run, e.g. simulation.num_gpus_per_client=0.0625")
     args = parser.parse_args()
+    extra = dict(parse_override(item) for item in args.set)
     conf = ROOT / "conf" / args.conf
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -76,35 +112,50 @@ def main() -> None:
     out = args.out or Path(__file__).resolve().parent / "results" / f"{args.scale}_{conf.stem}"
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    summaries = {m: [run_one(conf, args.scale, m, seed, out, args.rounds) for seed in seeds] for m in methods}
+    runs = {m: [run_one(conf, args.scale, m, seed, out, args.rounds, extra) for seed in seeds] for m in methods}
 
+    summaries = {m: [json.loads((d / "summary.json").read_text()) for d in dirs] for m, dirs in runs.items()}
     config, _ = load_config(conf, list((SCALES[args.scale] | ({"rounds": args.rounds} if args.rounds else {})).items()))
     options = config.partition.options
     clusters = [str(k) for k in range(len(options.angles))]
-    names = [f"{int(a)}° ({n})" for a, n in zip(options.angles, options.cluster_sizes)]
-    command = f"python benchmarks/dac/run.py --scale {args.scale} --conf {args.conf} --methods {args.methods} --seeds {args.seeds}"
+    names = [f"{a:g}° ({n})" for a, n in zip(options.angles, options.cluster_sizes)]
+    different = int(np.argmax([abs(((a + 180) % 360) - 180) for a in options.angles]))  # the cluster furthest from 0°
+    command = (f"python benchmarks/dac/run.py --scale {args.scale} --conf {args.conf} --methods {','.join(methods)} "
+               f"--seeds {args.seeds}" + (f" --rounds {args.rounds}" if args.rounds else "")
+               + "".join(f" --set {item}" for item in args.set))
     lines = [
         f"# {conf.stem}, {args.scale} scale, seeds {args.seeds}\n",
         f"`{command}` ({(time.perf_counter() - started) / 60:.0f} min for the runs not reused). Overrides of the conf "
-        f"file: {SCALES[args.scale] or 'none'}. Test accuracy of each client's best-validation model after "
-        f"{config.rounds} rounds, mean per true cluster (rotation, clients), mean ± std over seeds.\n",
-        "| method | " + " | ".join(names) + " | mean client | std across clusters | purity of the similarity's clusters |",
-        "|---|" + "---|" * (len(names) + 3),
+        f"file: {SCALES[args.scale] or 'none'}; PENS selects for {PENS_SELECTION[args.scale]} exchanges. Test accuracy of "
+        f"each client's best-validation model after {config.rounds} rounds, mean per true cluster (rotation, clients), "
+        "mean ± std over seeds. Draws in own cluster: the share of the "
+        f"{names[different]} clients' neighbour draws that went to their own cluster (all rounds).\n",
+        "| method | " + " | ".join(names) + " | mean client | purity of the similarity's clusters | draws in own cluster "
+        f"({names[different]}) | s / round |",
+        "|---|" + "---|" * (len(names) + 4),
     ]
-    for method, runs in summaries.items():
-        per_cluster = [mean_std([s["per_true_cluster_best_val_accuracy"].get(c) for s in runs]) for c in clusters]
-        spread = [float(np.std(list(s["per_true_cluster_best_val_accuracy"].values()))) for s in runs]
-        purity = "–" if method in ("local", "oracle_gossip") else mean_std([s["purity"] for s in runs])
+    for method, summaries_m in summaries.items():
+        per_cluster = [mean_std([s["per_true_cluster_best_val_accuracy"].get(c) for s in summaries_m]) for c in clusters]
+        purity = "–" if method in ("local", "oracle_gossip") else mean_std([s["purity"] for s in summaries_m])
+        shares = []
+        seconds = []
+        for run_dir, summary in zip(runs[method], summaries_m):
+            true = np.asarray(summary["true_clusters"])
+            if (run_dir / "communication.npy").is_file():
+                shares.append(share_within(np.load(run_dir / "communication.npy"), true, different))
+            seconds += [r["seconds"] for r in read_rounds(run_dir)]
+        share = mean_std(shares, 2) if shares else "–"
         lines.append(f"| {method} | " + " | ".join(per_cluster)
-                     + f" | {mean_std([s['mean_best_val_accuracy'] for s in runs])} | {mean_std(spread)} | {purity} |")
-    lines.append("\nThe purity of `local` and `oracle_gossip` is 1 by construction and left out. "
-                 "Heat maps of who sampled whom (seed 0): " + ", ".join(f"`communication_{m}.png`" for m in methods if m != "local"))
+                     + f" | {mean_std([s['mean_best_val_accuracy'] for s in summaries_m])} | {purity} | {share} "
+                     f"| {np.mean(seconds):.1f} |")
+    lines.append("\nThe purity of `local` and `oracle_gossip` is 1 by construction and left out. Heat maps of who "
+                 "sampled whom (seed 0): " + ", ".join(f"`communication_{m}.png`" for m in methods if m != "local"))
     for method in methods:
-        source = out / "runs" / f"{method}_seed{seeds[0]}" / "communication.png"
+        source = runs[method][0] / "communication.png"
         if source.is_file():
             shutil.copy(source, out / f"communication_{method}.png")
     text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
+    (out / args.report).write_text(text)
     print(text)
 
 
