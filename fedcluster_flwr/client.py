@@ -303,7 +303,8 @@ def step_best_model(client: ClusterClient, inputs: TaskInput, models: list[nn.Mo
     metrics = selection_metrics([float(loss.detach()) for loss in losses], similarities, float(config.get(protocol.LAMBDA_KEY, 0.0)))
     chosen = int(metrics[protocol.SELECTED])
     model = models[chosen]
-    gradient_step(model, gradients.get(chosen) or parameter_gradients(model, losses[chosen]), client.settings.lr)
+    gradient = gradients[chosen] if chosen in gradients else parameter_gradients(model, losses[chosen])
+    gradient_step(model, gradient, client.settings.lr)
     model.cpu()
     metrics[protocol.TRAIN_LOSS] = float(losses[chosen].detach()) / (len(y) if reduction == "sum" else 1)
     return TaskOutput({MODEL: get_weights(model)}, len(y), metrics)

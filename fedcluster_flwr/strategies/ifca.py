@@ -188,7 +188,8 @@ class IFCA(ClusteredStrategy):
         for reply in replies:
             self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[protocol.SELECTED])]
             self.asked.add(reply.pid)
-        chose = [r for r in replies if r.pid not in self.forced.values()]
+        forced_pids = set(self.forced.values())
+        chose = [r for r in replies if r.pid not in forced_pids]
         self.identity_changes = sum(
             1 for r in chose if previous[r.pid] != UNASSIGNED and previous[r.pid] != self.assignment[r.pid]
         )
