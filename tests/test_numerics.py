@@ -74,8 +74,9 @@ def test_portable_numerics_pin_the_kernels_of_a_fresh_process_to_avx2_compatible
 
 
 def test_portable_numerics_refuse_a_conflicting_environment_and_a_process_that_already_chose(monkeypatch):
-    for name in PORTABLE_NUMERICS:
-        monkeypatch.delenv(name, raising=False)
+    for name in PORTABLE_NUMERICS:  # setenv first: then teardown undoes what the pin writes (delenv of an unset name records nothing)
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MKL_CBWR", "AVX2")
     with pytest.raises(ValueError, match="portable numerics set MKL_CBWR=COMPATIBLE, but the environment sets MKL_CBWR=AVX2"):
         pin_portable_numerics()
