@@ -245,7 +245,7 @@ def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[
         )
     require(before.strategy.name == after.strategy.name, "strategy.name",
             f"a branch continues the {before.strategy.name} checkpoint of RUN_DIR; start a new run for another strategy")
-    for option in STRATEGIES[before.strategy.name].options_fixed_by(state):
+    for option in STRATEGIES[before.strategy.name].options_fixed_by(state["strategy"]):
         require(
             getattr(before.strategy.options, option) == getattr(after.strategy.options, option),
             f"strategy.{option}",

@@ -12,8 +12,11 @@ of a 1.7 M-parameter model that is the difference between 6.6 GB and a few MB.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from scipy.cluster import hierarchy
@@ -122,6 +125,52 @@ class HacResult:
     @property
     def num_clusters(self) -> int:
         return int(self.labels.max()) + 1 if len(self.labels) else 0
+
+
+@dataclass(frozen=True)
+class ClusteringRecord:
+    """A one-time clustering of some clients (FL+HC's updates, one-shot HFL's relevance): the
+    round it happened, whom it clustered (``pids``, in the order of the linkage's leaves), the
+    labels it gave them and scipy's linkage matrix. Self-contained: a checkpoint keeps it whole."""
+
+    round: int
+    pids: tuple[int, ...]
+    labels: np.ndarray
+    linkage: np.ndarray
+
+    @classmethod
+    def of(cls, server_round: int, pids: Sequence[int], hac: HacResult) -> ClusteringRecord:
+        return cls(server_round, tuple(int(p) for p in pids), hac.labels, hac.linkage)
+
+    @property
+    def num_clusters(self) -> int:
+        return int(self.labels.max()) + 1 if len(self.labels) else 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "clustering_round": self.round,
+            "clusters_found": self.num_clusters,
+            "clustered_clients": list(self.pids),
+            "clustering_labels": self.labels.tolist(),
+            "merge_heights": self.linkage[:, 2].tolist(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "pids": list(self.pids), "labels": self.labels, "linkage": self.linkage}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any] | None) -> ClusteringRecord | None:
+        if state is None:
+            return None
+        return cls(int(state["round"]), tuple(state["pids"]), np.asarray(state["labels"]), np.asarray(state["linkage"]))
+
+    def dendrogram(self, true_clusters: np.ndarray, threshold: float | None, title: str) -> Callable[[Path], None]:
+        """The dendrogram figure (leaves ``client:true cluster``, the cut ``threshold``), drawn when
+        called with a path."""
+        from .results import plot_dendrogram
+
+        labels = [f"{p}:{true_clusters[p]}" for p in self.pids]
+        return functools.partial(plot_dendrogram, self.linkage, labels, threshold, title=title)
 
 
 def hierarchical_clustering(

@@ -25,6 +25,7 @@ from .numerics import numeric_platform, pin_portable_numerics
 from .results import RoundRow, RunRecorder, load_checkpoint
 from .schema import ConfigError
 from .strategies import STRATEGIES, StrategySetup
+from .strategies.round_log import resume as resume_strategy
 from .training import TrainSettings, get_weights, use_deterministic_kernels
 
 APP_ROOT = Path(__file__).resolve().parent.parent  # the project root (or the installed FAB)
@@ -129,10 +130,12 @@ def server_components(
     on_round: Callable[[RoundRow], None] | None = None,
     resume: bool = False,
     stop_after: int | None = None,
+    make_strategy: Callable[[StrategySetup], Any] | None = None,
 ) -> ServerAppComponents:
-    """Strategy (from the registry) and server config for one run writing to ``run_dir``;
-    with ``resume``, continue the run there from its checkpoint; with ``stop_after``, stop
-    (checkpointed) after that round, leaving the run to be resumed or branched."""
+    """Strategy (from the registry, or ``make_strategy``'s from the experiment's setup) and server
+    config for one run writing to ``run_dir``; with ``resume``, continue the run there from its
+    checkpoint; with ``stop_after``, stop (checkpointed) after that round, leaving the run to be
+    resumed or branched."""
     use_configured_numerics(config)
     _, partition = experiment_data(config)
     recorder = RunRecorder(run_dir, on_round)
@@ -159,10 +162,12 @@ def server_components(
         numeric_platform=numeric_platform(),
         cluster_names=cluster_names(config.partition.options, int(partition.true_clusters.max(initial=0)) + 1),
     )
-    strategy = STRATEGIES[config.strategy.name](config.strategy.options, setup)
+    if make_strategy is None:
+        strategy = STRATEGIES[config.strategy.name](config.strategy.options, setup)
+    else:
+        strategy = make_strategy(setup)
     if resume:
-        models, state = load_checkpoint(run_dir)
-        strategy.restore(models, state)
+        resume_strategy(strategy, load_checkpoint(run_dir))
     remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
     server_config = ServerConfig(num_rounds=remaining, round_timeout=config.simulation.round_timeout_s)
     return ServerAppComponents(strategy=strategy, config=server_config)

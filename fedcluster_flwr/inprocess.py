@@ -62,15 +62,21 @@ def _call_all(instructions, method: str) -> tuple[list, list]:
 
 
 def run_in_process(
-    config: ExperimentConfig, run_dir: Path, make_strategy: Callable[[StrategySetup], Any] | None = None
+    config: ExperimentConfig,
+    run_dir: Path,
+    make_strategy: Callable[[StrategySetup], Any] | None = None,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
 ) -> Any:
-    """Run ``config`` to the end; return the strategy (its models, assignment, recorder).
+    """Run ``config`` to the end (or to ``stop_after``, checkpointed; ``resume``: from the
+    checkpoint in ``run_dir``); return the strategy (its models, assignment, log).
 
     ``make_strategy`` builds another strategy from the experiment's setup (a strategy that
     is not in the registry, e.g. a test's own).
     """
-    components = server_components(config, run_dir)
-    strategy = components.strategy if make_strategy is None else make_strategy(components.strategy.setup)
+    components = server_components(config, run_dir, resume=resume, stop_after=stop_after, make_strategy=make_strategy)
+    strategy = components.strategy
     manager = SimpleClientManager()
     for pid in range(config.partition.num_clients):
         manager.register(InProcessProxy(config, pid))

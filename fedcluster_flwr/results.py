@@ -6,7 +6,8 @@ Layout (the results contract)::
     <run>/rounds.jsonl       one JSON object per round
     <run>/summary.json       final values; rewritten every round ("finished": false until the end)
     <run>/accuracy.png, clients_over_target.png, dendrogram.png (FL+HC)
-    <run>/checkpoint/        models.npz + state.json of the latest checkpoint
+    <run>/checkpoint/        state.json + models.npz (its arrays) of the latest checkpoint
+    <run>/*.npy, *.png       the strategy's artifacts (linkage.npy, relevance.npy, similarity.npy, ...)
     <run>/branch.json        a branch only: the run and round it continues, and the changed options
 
 Each file is written atomically (temp file + rename), so an interrupted run never
@@ -92,17 +93,32 @@ class RunRecorder:
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         atomic_write(self.run_dir / "summary.json", json.dumps(json_ready(summary), indent=2) + "\n")
 
-    def save_checkpoint(self, models: Mapping[str, Sequence[np.ndarray]], state: Mapping[str, Any]) -> None:
-        """``models.npz`` holds array ``i`` of model ``name`` as ``<name>_<i>`` (names: cluster ids, ...)."""
+    def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        """``checkpoint/state.json`` and ``checkpoint/models.npz``: the tree ``checkpoint`` (dicts,
+        lists, JSON scalars and arrays; see :func:`load_checkpoint`) with every array moved to
+        the ``.npz``. Both files carry ``checkpoint["round"]``, so a torn pair is detected."""
         folder = self.run_dir / "checkpoint"
         folder.mkdir(parents=True, exist_ok=True)
-        arrays = {f"{name}_{i:03d}": a for name, model in models.items() for i, a in enumerate(model)}
-        arrays["round"] = np.asarray(state["round"])  # pairs the models with their state.json
+        arrays: dict[str, np.ndarray] = {}
+        state = {"format": CHECKPOINT_FORMAT, **_arrays_out(checkpoint, arrays)}
+        arrays["round"] = np.asarray(checkpoint["round"])
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".models.", suffix=".npz")
         with os.fdopen(fd, "wb") as handle:
             np.savez(handle, **arrays)
         os.replace(tmp, folder / "models.npz")
-        atomic_write(folder / "state.json", json.dumps(json_ready(state), indent=2) + "\n")
+        atomic_write(folder / "state.json", json.dumps(state, indent=1) + "\n")
+
+    def write_artifacts(self, artifacts: Mapping[str, Any]) -> None:
+        """Files a strategy describes, by name: arrays as ``.npy``, figures drawn to their path."""
+        for name, artifact in artifacts.items():
+            path = self.run_dir / name
+            if isinstance(artifact, np.ndarray):
+                fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=f".{name}.", suffix=".npy")
+                with os.fdopen(fd, "wb") as handle:
+                    np.save(handle, artifact)
+                os.replace(tmp, path)
+            else:
+                artifact(path)
 
     def plot(self, target_accuracy: float, title: str) -> None:
         plot_rounds(self.rows, self.run_dir, target_accuracy, title)
@@ -280,21 +296,60 @@ def branch_run(
     atomic_write(target / BRANCH_FILE, json.dumps(provenance, indent=2) + "\n")
 
 
-def load_checkpoint(run_dir: Path) -> tuple[dict[str, list[np.ndarray]], dict[str, Any]]:
-    """The models (by name) and strategy state saved by :meth:`RunRecorder.save_checkpoint`."""
+CHECKPOINT_FORMAT = 2  # 1: before strategies had state_dict() (models by name + flat state); not readable
+_ARRAY, _INT_KEYS = "__array__", "__int_keys__"
+
+
+def _arrays_out(value: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """``value`` as JSON, each array replaced by a reference into ``arrays``; a dict with int
+    keys (cluster ids, partition ids) is marked so that they come back as ints."""
+    if isinstance(value, np.ndarray):
+        key = f"a{len(arrays)}"
+        arrays[key] = value
+        return {_ARRAY: key}
+    if isinstance(value, Mapping):
+        int_keys = bool(value) and all(isinstance(k, (int, np.integer)) for k in value)
+        plain = {str(k): _arrays_out(v, arrays) for k, v in value.items()}
+        return {_INT_KEYS: plain} if int_keys else plain
+    if isinstance(value, (list, tuple)):
+        return [_arrays_out(v, arrays) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _arrays_in(value: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+    if isinstance(value, dict):
+        if _ARRAY in value:
+            return arrays[value[_ARRAY]]
+        if _INT_KEYS in value:
+            return {int(k): _arrays_in(v, arrays) for k, v in value[_INT_KEYS].items()}
+        return {k: _arrays_in(v, arrays) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_arrays_in(v, arrays) for v in value]
+    return value
+
+
+def load_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The checkpoint saved by :meth:`RunRecorder.save_checkpoint`: ``{"round", "strategy", "log"}``
+    with its arrays back in place."""
     folder = Path(run_dir) / "checkpoint"
     state = json.loads((folder / "state.json").read_text())
-    models: dict[str, list[np.ndarray]] = {}
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"{folder} has checkpoint format {state.get('format', 1)}; this version reads format "
+            f"{CHECKPOINT_FORMAT} only (resume it with the fedcluster version that wrote it)"
+        )
     with np.load(folder / "models.npz") as saved:
         if int(saved["round"]) != state["round"]:
             raise ValueError(
                 f"{folder} is torn: models of round {int(saved['round'])}, state of round {state['round']} "
                 f"(the run stopped while writing it)"
             )
-        for key in sorted(k for k in saved.files if k != "round"):
-            name, _ = key.rsplit("_", 1)
-            models.setdefault(name, []).append(saved[key])
-    return models, state
+        arrays = {key: saved[key] for key in saved.files}
+    checkpoint = _arrays_in(state, arrays)
+    del checkpoint["format"]
+    return checkpoint
 
 
 def read_rounds(run_dir: Path) -> list[RoundRow]:

@@ -43,7 +43,7 @@ def finished_looking_run(run_dir, done=3):
     config, _ = load_config(DEFAULT_CONFIG, [])
     (run_dir / "checkpoint").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    (run_dir / "checkpoint" / "state.json").write_text(json.dumps({"round": done}))
+    (run_dir / "checkpoint" / "state.json").write_text(json.dumps({"format": 2, "round": done, "strategy": {}}))
     (run_dir / "checkpoint" / "models.npz").write_bytes(b"models")
     (run_dir / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, done + 1)))
     (run_dir / "accuracy.png").write_bytes(b"png")
@@ -103,7 +103,7 @@ def test_a_branch_cannot_change_what_the_run_already_acted_on(tmp_path, monkeypa
     """FL+HC's clusters came from its clustering options: once it clustered, a branch keeps them."""
     monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base", done=8)
-    (base / "checkpoint" / "state.json").write_text(json.dumps({"round": 8, "clustered_at": 6}))
+    (base / "checkpoint" / "state.json").write_text(json.dumps({"format": 2, "round": 8, "strategy": {"clustering": {"round": 6}}}))
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.threshold=5"]) == 2
     assert "strategy.threshold: the run already acted on it by round 8" in capsys.readouterr().err
     monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: {})
@@ -129,12 +129,12 @@ def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, cap
 @pytest.mark.parametrize(
     ("strategy", "state", "change", "refused"),
     [
-        ("ifca", {"round": 4}, "strategy.num_clusters=2", True),  # the K models exist from round 1
-        ("ifca", {"round": 4}, "strategy.client_fraction=0.5", False),
-        ("oneshot_hfl", {"round": 4, "clustered": True}, "strategy.num_eigenvectors=3", True),
-        ("oneshot_hfl", {"round": 1, "clustered": False}, "strategy.num_eigenvectors=3", False),
-        ("flhc", {"round": 4, "clustered_at": None}, "strategy.threshold=5", False),  # not clustered yet
-        ("dac", {"round": 4}, "strategy.tau=5", False),
+        ("ifca", {}, "strategy.num_clusters=2", True),  # the K models exist from round 1
+        ("ifca", {}, "strategy.client_fraction=0.5", False),
+        ("oneshot_hfl", {"clustered": True}, "strategy.num_eigenvectors=3", True),
+        ("oneshot_hfl", {"clustered": False}, "strategy.num_eigenvectors=3", False),
+        ("flhc", {"clustering": None}, "strategy.threshold=5", False),  # not clustered yet
+        ("dac", {}, "strategy.tau=5", False),
     ],
 )
 def test_each_strategy_names_the_options_its_checkpoint_already_used(strategy, state, change, refused):
@@ -145,6 +145,6 @@ def test_each_strategy_names_the_options_its_checkpoint_already_used(strategy, s
     after, _ = load_config(DEFAULT_CONFIG, base + [parse_override(change)])
     if refused:
         with pytest.raises(ConfigError, match=rf"{change.split('=')[0]}: the run already acted on it by round 4"):
-            cli.check_branch(before, after, state)
+            cli.check_branch(before, after, {"round": 4, "strategy": state})
     else:
-        cli.check_branch(before, after, state)
+        cli.check_branch(before, after, {"round": 4, "strategy": state})

@@ -47,7 +47,7 @@ def play(strategy, manager, rnd, loss=lambda i, j: 1.0 + abs(int(TRUE[i]) - int(
     results = []
     for proxy, ins in strategy.configure_fit(rnd, None, manager):
         models = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[MODELS]
-        chosen = list(strategy._sent[proxy.pid][0].clusters)
+        chosen = list(strategy.messages.instructions[proxy.pid].peers)
         received[proxy.pid] = (ins.config[TASK_KEY], models, chosen, dict(ins.config))
         metrics = {protocol.indexed(protocol.LOSS, j): loss(proxy.pid, q) for j, q in enumerate(chosen)}
         new = [a + 1.0 for a in models[0]]
@@ -407,12 +407,13 @@ def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_p
 
     strategy = gossip(RandomGossip, tmp_path / "run", GossipOptions(num_neighbours=2), cluster_names=("upright", "rotated"))
     play(strategy, client_manager(N), 1)
-    strategy.write_artifacts()
+    strategy.setup.recorder.write_artifacts(strategy.artifacts())
     assert matplotlib.image.imread(tmp_path / "run" / "communication.png").shape == shapes[0]
 
 
 def test_the_relays_state_survives_a_checkpoint(tmp_path):
     from fedcluster_flwr.results import load_checkpoint
+    from fedcluster_flwr.strategies.round_log import resume
 
     for cls, options in ((DAC, DACOptions(num_neighbours=2, two_hop_estimate="reference")),
                          (PENS, PENSOptions(num_neighbours=3, num_kept=1, selection_rounds=2))):
@@ -422,7 +423,7 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
         for rnd in (1, 2, 3, 4):
             play(strategy, manager, rnd)
         resumed = gossip(cls, tmp_path / f"{cls.name}_resumed", options, pretrained=False)
-        resumed.restore(*load_checkpoint(folder))
+        resume(resumed, load_checkpoint(folder))
         assert resumed.exchanges == strategy.exchanges == 3 and resumed.pretrained.all()
         np.testing.assert_array_equal(resumed.estimate, strategy.estimate)
         if cls is PENS:

@@ -18,6 +18,7 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
 from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.strategies.round_log import resume
 from fedcluster_flwr.strategies import ClusteredStrategy, Instruction, Reply
 from fedcluster_flwr.training import evaluate
 
@@ -68,19 +69,22 @@ class ProbeStrategy(ClusteredStrategy):
     def absorb(self, server_round, replies: list[Reply]):
         self.losses[server_round] = {r.pid: r.blocks()[LOSSES][0] for r in replies}
         self.shares.update({r.pid: float(r.metrics[SHARE]) for r in replies})
-
-    def after_round(self, server_round):
         self.rounds_after.append(server_round)
+        return {f"losses_{server_round}.npy": np.stack([self.losses[server_round][p] for p in sorted(self.losses[server_round])])}
 
-    def extra_state(self):
-        return {"rounds_after": self.rounds_after}
+    def round_metrics(self, server_round):
+        return {"mean_share": float(np.mean(list(self.shares.values())))}
 
-    def extra_models(self):
-        return {f"probe{k}": probe for k, probe in enumerate(self.probes)}
+    def artifacts(self):
+        return {"probe_shares.npy": np.asarray([self.shares[p] for p in sorted(self.shares)])}
 
-    def restore_extra(self, models, state):
+    def state_dict(self):
+        return super().state_dict() | {"rounds_after": self.rounds_after, "probes": self.probes}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
         self.rounds_after = list(state["rounds_after"])
-        self.probes = [models[f"probe{k}"] for k in range(self.options.num_probes)]
+        self.probes = [list(probe) for probe in state["probes"]]
 
 
 @pytest.fixture
@@ -103,13 +107,15 @@ def test_a_toy_strategy_gets_non_model_replies_through_the_public_hooks(tmp_path
     assert not np.allclose(losses[1:], losses[0])  # the other probes moved the model
     y = probe_client.data.y_train
     assert strategy.shares[7] == pytest.approx(float((y < 5).float().mean()))
-    row = strategy.setup.recorder.rows[-1]
+    row = strategy.log.recorder.rows[-1]
     assert row["fit_failures"] == 1 and row["rejected_updates"] == 0
+    assert row["mean_share"] == pytest.approx(np.mean(list(strategy.shares.values())))
+    assert np.load(tmp_path / "run" / "losses_2.npy").shape == (19, 3)  # written by the results side
+    np.testing.assert_array_equal(np.load(tmp_path / "run" / "probe_shares.npy"), [strategy.shares[p] for p in range(20)])
 
-    models, state = load_checkpoint(tmp_path / "run")
     resumed = ProbeStrategy(ProbeOptions(), strategy.setup)
     resumed.probes = []
-    resumed.restore(models, state)
+    resume(resumed, load_checkpoint(tmp_path / "run"))
     assert resumed.rounds_after == [1, 2] and resumed.round_offset == 2
     for restored, original in zip(resumed.probes, strategy.probes, strict=True):
         assert all(np.array_equal(a, b) for a, b in zip(restored, original, strict=True))
@@ -121,9 +127,9 @@ def test_a_toy_strategy_gets_non_model_replies_through_the_public_hooks(tmp_path
 def test_personal_models_survive_a_checkpoint(tmp_path):
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=1", "strategy.name=local")])
     strategy = run_in_process(config, tmp_path / "run")
-    models, state = load_checkpoint(tmp_path / "run")
-    assert sorted(models) == sorted(f"client{p}" for p in range(20))
+    checkpoint = load_checkpoint(tmp_path / "run")
+    assert sorted(checkpoint["strategy"]["client_models"]) == list(range(20))
     fresh = type(strategy)(strategy.options, strategy.setup)
-    fresh.restore(models, state)
+    resume(fresh, checkpoint)
     for pid in range(20):
         assert all(np.array_equal(a, b) for a, b in zip(fresh.client_models[pid], strategy.client_models[pid]))

@@ -18,6 +18,7 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
 from fedcluster_flwr.protocol import DIRECTIONS, LAYOUT_KEY, MODELS, SELECT, TASK_KEY, TRAIN, TRAIN_SELECT
 from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.strategies.round_log import resume
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.ifca import IFCA, GradLoss, GradLossOptions, IFCAOptions
@@ -319,9 +320,9 @@ def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):
     expected = np.mean([np.ptp([np.linalg.norm(flat(m) - TARGETS[GROUPS[p]]) for m in before_round_2.values()])
                         for p in range(12)])
     assert row["mean_loss_spread"] == pytest.approx(expected, rel=1e-5) and row["mean_similarity_spread"] == 0.0
-    models, state = load_checkpoint(tmp_path)
+    checkpoint = load_checkpoint(tmp_path)
     resumed = strategy_of(GradLoss, tmp_path / "other", rounds=2, client_fraction=1.0)
-    resumed.restore(models, state)
+    resume(resumed, checkpoint)
     assert resumed.asked == set(range(12)) and sorted(resumed.directions) == [0, 1]
     np.testing.assert_array_equal(flat(resumed.directions[1]), flat(strategy.directions[1]))
 

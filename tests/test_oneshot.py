@@ -252,7 +252,7 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     strategy = run_in_process(config, tmp_path / "run")
     rows = strategy.setup.recorder.rows
     assert [r["phase"] for r in rows] == ["gram_eigen", "relevance", "lps"]
-    assert strategy.clustering_round == 2 and len(strategy.models) == 2
+    assert strategy.clustering.round == 2 and len(strategy.models) == 2
     conv = strategy.parameter_indices(["conv"], "strategy.shared_layers")
     assert conv == [0, 1, 2, 3]
     for i in conv:  # the GPS made the conv layers identical across the two LPS models
@@ -331,7 +331,7 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
     one_shot_round(strategy, manager, 2)
     assert sorted(strategy.summaries) == list(range(6))
     one_shot_round(strategy, manager, 3)
-    assert strategy.clustered and strategy.clustering_round == 3
+    assert strategy.clustered and strategy.clustering.round == 3
     assert strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["gram_eigen", "gram_eigen", "relevance"]
@@ -339,22 +339,21 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
 
 def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     from fedcluster_flwr.results import load_checkpoint
+    from fedcluster_flwr.strategies.round_log import resume
 
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
     one_shot_round(strategy, manager, 1)
-    models, state = load_checkpoint(tmp_path)
     resumed = oneshot_strategy(tmp_path / "other")
-    resumed.restore(models, state)
+    resume(resumed, load_checkpoint(tmp_path))
     assert sorted(resumed.summaries) == list(range(6)) and not resumed.clustered
     for pid in range(6):
         for restored, original in zip(resumed.summaries[pid], strategy.summaries[pid], strict=True):
             np.testing.assert_array_equal(restored, original)
     one_shot_round(resumed, manager, 1)  # Flower's round 1 of the rest is round 2: relevance
-    assert resumed.clustered and resumed.clustering_round == 2
-    models, state = load_checkpoint(tmp_path / "other")
+    assert resumed.clustered and resumed.clustering.round == 2
     again = oneshot_strategy(tmp_path / "third")
-    again.restore(models, state)
-    assert again.clustered and again.hac is not None and len(again.hac.linkage) == 5
+    resume(again, load_checkpoint(tmp_path / "other"))
+    assert again.clustered and again.clustering is not None and len(again.clustering.linkage) == 5
     np.testing.assert_allclose(again.relevance, resumed.relevance)
 
 
@@ -371,8 +370,8 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
     eigenvalue_bytes = len(ndarray_to_bytes(np.zeros(2, np.float32)))  # k = 2 float32 values, serialized
     assert rows["amiri"]["bytes_up"] - rows["paper"]["bytes_up"] == 6 * eigenvalue_bytes
     assert all(len(summary) == 1 for summary in runs["paper"].summaries.values())
-    assert runs["paper"].extra_summary()["eigen_summary_floats"] == 2 * 4  # k × d, no k eigenvalues
-    assert runs["amiri"].extra_summary()["eigen_summary_floats"] == 2 * 4 + 2
+    assert runs["paper"].summary()["eigen_summary_floats"] == 2 * 4  # k × d, no k eigenvalues
+    assert runs["amiri"].summary()["eigen_summary_floats"] == 2 * 4 + 2
 
     strict = oneshot_strategy(tmp_path / "strict")
     one_shot_round(strict, client_manager(6), 1, share_eigenvalues=True)  # replies the paper's users never send
@@ -387,4 +386,4 @@ def test_both_relevance_rules_cluster_the_synthetic_clients(tmp_path):
         one_shot_round(strategy, manager, 1)
         one_shot_round(strategy, manager, 2)
         assert strategy.clustered and strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
-        assert strategy.extra_summary()["relevance_rule"] == rule
+        assert strategy.summary()["relevance_rule"] == rule

@@ -22,6 +22,7 @@ from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
 from fedcluster_flwr.results import RunRecorder, load_checkpoint
+from fedcluster_flwr.strategies.round_log import resume
 from fedcluster_flwr.strategies import FederationError, StrategySetup
 from fedcluster_flwr import protocol
 from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY, TRAIN_SELECT
@@ -355,8 +356,8 @@ def test_flhc_threshold_cut_on_update_distances(tmp_path):
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
         run_round(strategy, manager, rnd, train)
-    assert strategy.hac.num_clusters == 3
-    merges = strategy.hac.linkage[:, 2]
+    assert strategy.clustering.num_clusters == 3
+    merges = strategy.clustering.linkage[:, 2]
     assert merges[-3] < 4.0 < merges[-2]
 
 
@@ -419,7 +420,7 @@ def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
     run_round(strategy, manager, 3, train, fail=set(range(len(GROUPS))))
     assert not strategy.clustered and strategy.phase(3) == "clustering"
     received = run_round(strategy, manager, 4, train)
-    assert len(received) == len(GROUPS) and strategy.clustered_at == 4
+    assert len(received) == len(GROUPS) and strategy.clustering.round == 4
     assert strategy.phase(4) == "clustering" and strategy.phase(5) == "clustered"
     assert json.loads((tmp_path / "summary.json").read_text())["clustering_round"] == 4
 
@@ -453,10 +454,10 @@ def test_results_contract_files(tmp_path):
     assert summary["per_true_cluster_accuracy"] == pytest.approx(per_true)
     for name in ("accuracy.png", "clients_over_target.png", "checkpoint/models.npz", "checkpoint/state.json"):
         assert (tmp_path / name).is_file(), name
-    with np.load(tmp_path / "checkpoint" / "models.npz") as saved:
-        assert len(saved.files) == 4 * len(SHAPES) + 1  # 3 clusters + the joint model + its round
-        assert int(saved["round"]) == 5
-        np.testing.assert_array_equal(saved["joint_000"], strategy.joint_model[0])
+    checkpoint = load_checkpoint(tmp_path)
+    assert checkpoint["round"] == 5 and sorted(checkpoint["strategy"]["models"]) == [0, 1, 2]
+    np.testing.assert_array_equal(checkpoint["strategy"]["joint_model"][0], strategy.joint_model[0])
+    np.testing.assert_array_equal(checkpoint["strategy"]["clustering"]["linkage"], strategy.clustering.linkage)
 
 
 def test_two_clients_claiming_one_partition_id_keep_the_first(tmp_path):
@@ -492,7 +493,7 @@ def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
             results.append((proxy, fit_res(weights, n, metrics)))
         np.random.default_rng(order_seed).shuffle(results)
         strategy.aggregate_fit(3, results, [])
-        outcomes.append((strategy.assignment.tolist(), strategy.hac.linkage.tolist(),
+        outcomes.append((strategy.assignment.tolist(), strategy.clustering.linkage.tolist(),
                          sorted(run_round(strategy, manager, 4, train))))
     assert outcomes[0] == outcomes[1]
 
@@ -576,7 +577,7 @@ def test_clustering_waits_for_a_quorum_of_updates(tmp_path):
     run_round(strategy, manager, 3, train, fail=set(range(9)))  # 3 of 12 < 0.5 quorum
     assert not strategy.clustered
     run_round(strategy, manager, 4, train)
-    assert strategy.clustered_at == 4 and strategy.hac.num_clusters == 3
+    assert strategy.clustering.round == 4 and strategy.clustering.num_clusters == 3
 
 
 def test_sampling_rounds_down_without_float_error(tmp_path):
@@ -636,13 +637,13 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     first = strategy_in(tmp_path / "resumed", join_round={7: 5})
     for rnd in range(1, 4):
         run_round(first, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
-    models, state = load_checkpoint(tmp_path / "resumed")
-    assert state["round"] == 3 and "joint" in models
+    checkpoint = load_checkpoint(tmp_path / "resumed")
+    assert checkpoint["round"] == 3 and checkpoint["strategy"]["joint_model"] is not None
 
     recorder = RunRecorder(tmp_path / "resumed")
     setup = make_setup(tmp_path / "other", len(GROUPS), true=GROUPS, rounds=6, checkpoint_every=3, join_round={7: 5})
     resumed = FLHC(first.options, replace(setup, recorder=recorder))
-    resumed.restore(models, state)
+    resume(resumed, checkpoint)
     for flower_round in (1, 2, 3):  # Flower counts the remaining rounds from 1 again
         run_round(resumed, client_manager(len(GROUPS)), flower_round, train)
 
@@ -686,7 +687,7 @@ def test_saved_updates_are_the_clients_deltas(tmp_path):
     joint = flat(strategy.models[0]).copy()
     run_round(strategy, manager, 3, train)
     saved = np.load(tmp_path / "updates.npy")
-    for row, pid in enumerate(strategy.clustered_pids):
+    for row, pid in enumerate(strategy.clustering.pids):
         np.testing.assert_allclose(saved[row], returned[pid] - joint, rtol=1e-6, atol=1e-6)
 
 

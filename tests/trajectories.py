@@ -49,6 +49,10 @@ STRATEGY_OVERRIDES: dict[str, tuple[str, ...]] = {
     # Lin et al. as published: every client every round, one gradient step, one forced per cluster
     "gradloss_one_step": ("strategy.local_update=one_step", "strategy.cluster_guard=one_per_cluster",
                           "strategy.client_fraction=1.0", "strategy.selection_batch=32", "client.lr=0.01"),
+    "dac_var": ("strategy.num_neighbours=3",),
+    "pens": ("strategy.num_neighbours=3", "strategy.selection_rounds=3"),
+    "oracle_hfl": ("strategy.shared_layers=[fc]",),
+    "random_clusters": ("strategy.num_clusters=4", "strategy.shared_layers=[fc]"),
 }
 STRATEGIES = tuple(STRATEGY_OVERRIDES)
 CASE_STRATEGY = {"gradloss_one_step": "gradloss"}  # the strategy of a case not named after it

@@ -1,11 +1,12 @@
 """Strategy registry: ``strategy.name`` in the config selects one of these.
 
-``core`` holds what every strategy shares (instructions, reply validation, the absorb /
-after_round hooks), ``directory`` which Flower client is which partition, ``round_log``
-the per-round metrics, summary and checkpoints; each other module is one algorithm family.
+``core`` holds what every strategy shares (the hooks, helpers for subclasses, Flower's Strategy
+API), ``messages`` the instructions out and the checked replies in, ``directory`` which Flower
+client is which partition, ``round_log`` the per-round metrics, summary, checkpoints and
+artifacts; each other module is one algorithm family.
 """
 
-from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
+from .core import HOOKS, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .directory import FederationError
 from .dac import DAC, PENS, DACVar, OracleGossip, RandomGossip
 from .fedavg import FedAvg, LocalOnly, OracleClusters
@@ -21,4 +22,4 @@ STRATEGIES: dict[str, type[ClusteredStrategy]] = {
     )
 }
 
-__all__ = ["STRATEGIES", "ClusteredStrategy", "FederationError", "Instruction", "Reply", "StrategySetup"]
+__all__ = ["HOOKS", "STRATEGIES", "ClusteredStrategy", "FederationError", "Instruction", "Reply", "StrategySetup"]

@@ -1,31 +1,27 @@
-"""The strategy core: instructions out, validated replies in, on Flower's legacy Strategy API.
+"""The strategy core: the algorithm's hooks behind Flower's legacy Strategy API.
 
 Every round of every fedcluster strategy goes the same way:
 
 1. :meth:`ClusteredStrategy.fit_instructions` (the algorithm) says which online client gets
-   which :class:`Instruction`: a task of :mod:`fedcluster_flwr.protocol`, named blocks of
-   arrays (cluster models, a client's own model, update directions, eigenvectors, ...) and
-   extra scalars. The core packs each into its own ``FitIns`` (never one shared, mutable
-   instruction), serializing a model that many clients receive only once.
-2. Each reply is checked (status, example count, then the task's reply schema); a failing,
-   malformed or poisoned reply is counted and left out, never averaged in, and never stops
-   the run. Replies are put in partition-id order, not the order Flower's thread pool
-   finished them, so a seed fixes every decision of a run.
-3. :meth:`ClusteredStrategy.absorb` (the algorithm; by default :meth:`assign` then FedAvg per
-   cluster) takes the round's replies, then :meth:`ClusteredStrategy.after_round` runs
-   (e.g. an average of shared layers across cluster models).
-4. Every online client evaluates *its own* model (:meth:`evaluation_model`) on its own test
-   split; the :class:`~.round_log.RoundLog` records the round.
+   which :class:`~.messages.Instruction`: a task, named blocks of arrays (cluster models, a
+   client's own model, update directions, eigenvectors, ...) and extra scalars.
+   :class:`~.messages.RoundMessages` packs them for Flower and checks every reply against its
+   task's schema; a refused reply is counted and left out, never averaged in, and never stops
+   the run. Replies reach the algorithm in partition-id order, not the order Flower's thread
+   pool finished them, so a seed fixes every decision of a run.
+2. :meth:`ClusteredStrategy.absorb` (the algorithm; by default FedAvg inside each cluster) takes
+   the round's replies.
+3. Every online client evaluates *its own* model (:meth:`evaluation_model`) on its own test
+   split, and the :class:`~.round_log.RoundLog` records the round, checkpoints the strategy's
+   :meth:`state_dict` and writes its :meth:`artifacts`.
 
-Models are kept per cluster (``models``, keyed by cluster id) or per client
-(``client_models``, keyed by partition id, for personal-model strategies); ``assignment``
-maps every client to a cluster (or ``UNASSIGNED``) for the per-cluster metrics. A
-checkpoint keeps both kinds of model, the models of :meth:`extra_models` and the state of
-:meth:`extra_state`. Which Flower client is which partition is the job of
-:class:`~.directory.ClientDirectory`.
+Models are kept per cluster (``models``, keyed by cluster id) or per client (``client_models``,
+keyed by partition id, for personal-model strategies); ``assignment`` maps every client to a
+cluster (or ``UNASSIGNED``) for the per-cluster metrics. Which Flower client is which partition
+is the job of :class:`~.directory.ClientDirectory`.
 
 A new algorithm is one subclass: set ``name`` and ``Options``, implement
-:meth:`fit_instructions`, and override the documented hooks it needs.
+:meth:`fit_instructions`, and override what it needs of :data:`HOOKS`.
 """
 
 from __future__ import annotations
@@ -34,11 +30,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Union
 
 import numpy as np
 from flwr.common import (
-    Code,
     EvaluateIns,
     EvaluateRes,
     FitIns,
@@ -54,16 +50,33 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from .. import protocol
-from ..models import parameters_with_prefixes
-from ..protocol import EVALUATE, MODEL, MODELS, TRAIN, TRAIN_SELECT, ModelSpec, Sent, Task
-from ..results import RunRecorder
 from ..aggregation import weighted_mean
+from ..models import parameters_with_prefixes
+from ..protocol import MODEL, MODELS, SELECT, SELECTED, TRAIN, TRAIN_SELECT, ModelSpec
+from ..results import RunRecorder
 from .directory import ClientDirectory
+from .messages import Instruction, Reply, RoundMessages, parameters_nbytes
 from .round_log import UNASSIGNED, RoundLog
 
-__all__ = ["UNASSIGNED", "ClusteredStrategy", "Instruction", "Reply", "StrategySetup"]
+__all__ = ["HOOKS", "UNASSIGNED", "Artifacts", "ClusteredStrategy", "Instruction", "Reply", "StrategySetup"]
 
-CLIENT_MODEL_PREFIX = "client"  # checkpoint name of client p's personal model: client<p>
+# A file of the run directory a strategy describes, by file name: an array (``.npy``) or a
+# figure, drawn by calling it with the path (``.png``). The results side writes them.
+Artifacts = Mapping[str, Union[np.ndarray, Callable[[Path], Any]]]
+
+# What a strategy author may override; only ``fit_instructions`` is required.
+HOOKS = (
+    "fit_instructions",  # who works this round, on which task (required)
+    "absorb",  # take the round's replies (default: FedAvg inside each cluster)
+    "phase",  # the name of a round's phase in rounds.jsonl
+    "unassigned_model",  # what a client without a cluster is evaluated on
+    "round_metrics",  # the algorithm's entries of a round's row
+    "summary",  # the algorithm's entries of summary.json
+    "artifacts",  # files describing the strategy's state (dendrogram, similarity matrix, ...)
+    "state_dict",  # everything needed to continue, with load_state_dict (PyTorch's pair)
+    "load_state_dict",
+    "options_fixed_by",  # options a branch of a checkpoint may no longer change
+)
 
 
 @dataclass(frozen=True)
@@ -96,61 +109,6 @@ class StrategySetup:
         return ModelSpec.of(names, self.initial_weights)
 
 
-@dataclass(frozen=True)
-class Instruction:
-    """What one client is asked to do in a round.
-
-    ``blocks`` maps block names of ``task`` to items (each a list of arrays); ``config``
-    holds the task's extra scalars; ``clusters`` names the cluster whose model each item of
-    the ``models`` block is, where they are cluster models (``train_select`` replies choose
-    among them).
-    """
-
-    pid: int
-    task: Task
-    blocks: Mapping[str, Sequence[NDArrays]] = field(default_factory=dict)
-    config: Mapping[str, Scalar] = field(default_factory=dict)
-    clusters: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        self.task.check_instruction(self.blocks, self.config)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A validated reply. Its arrays stay serialized until asked for: at 1.7 M parameters
-    and hundreds of clients, holding every reply deserialized at once would triple the
-    clustering round's memory."""
-
-    instruction: Instruction
-    num_examples: int
-    metrics: Mapping[str, Scalar]
-    parameters: Parameters
-    sent: Sent
-    model_spec: ModelSpec
-
-    @property
-    def pid(self) -> int:
-        return self.instruction.pid
-
-    @property
-    def task(self) -> Task:
-        return self.instruction.task
-
-    def blocks(self) -> dict[str, NDArrays]:
-        """The reply's named arrays (deserialized on each call)."""
-        return self.task.unpack_reply(protocol.parameters_to_arrays(self.parameters), self.sent, self.model_spec)
-
-    def model(self) -> NDArrays:
-        """The model this reply carries (tasks that reply with one), in the model's own dtypes
-        (a float64 reply is stored as float32 like every other model)."""
-        return [a.astype(d, copy=False) for a, d in zip(self.blocks()[MODEL], self.model_spec.dtypes)]
-
-
-def parameters_nbytes(parameters: Parameters) -> int:
-    return sum(len(t) for t in parameters.tensors)
-
-
 class ClusteredStrategy(Strategy):
     """Per-cluster (or per-client) models and the round protocol; see the module docstring."""
 
@@ -163,82 +121,81 @@ class ClusteredStrategy(Strategy):
         self.setup = setup
         self.model_spec = setup.model_spec
         self.dtypes = list(self.model_spec.dtypes)
-        self.models: dict[int, NDArrays] = {0: [a.copy() for a in setup.initial_weights]}
+        self.models: dict[int, NDArrays] = {0: self.initial_model()}
         self.client_models: dict[int, NDArrays] = {}
         self.assignment = np.zeros(setup.num_clients, dtype=np.int64)
         self.rng = np.random.default_rng(setup.seed)
         self.directory = ClientDirectory(setup.num_clients, setup.join_round, setup.wait_for_clients_s, setup.timeout_s)
+        self.messages = RoundMessages(self.model_spec, setup.train_sizes)
         self.log = RoundLog(
             setup.recorder, setup.true_clusters, setup.target_accuracy, setup.rounds, setup.checkpoint_every,
-            setup.stop_round, setup.numeric_platform,
+            setup.stop_round, setup.numeric_platform, setup.title or self.name,
         )
         self.round_offset = 0  # rounds already done when resuming: Flower's round r is round r + offset
-        self._sent: dict[int, tuple[Instruction, Sent]] = {}
 
-    # ---- what a subclass provides (public hooks) ----------------------------------------------
+    # ---- hooks (see HOOKS) ---------------------------------------------------------------------
 
     def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
         """Who works in this round, on which task, with which blocks (at most one per client)."""
         raise NotImplementedError
 
-    def absorb(self, server_round: int, replies: list[Reply]) -> None:
+    def absorb(self, server_round: int, replies: list[Reply]) -> Artifacts | None:
         """Take this round's validated replies (partition-id order) into the strategy's state.
 
-        Default: :meth:`assign`, then FedAvg inside each cluster of the replies that carry
-        a model; a cluster without replies keeps its model.
+        Default: FedAvg inside each cluster of the replies that carry a model; a cluster without
+        replies keeps its model. May return files this round produced that no state keeps (e.g.
+        FL+HC's update matrix), or files it wants written now rather than at the next checkpoint.
         """
-        self.assign(server_round, replies)
         self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
-
-    def after_round(self, server_round: int) -> None:
-        """Runs after :meth:`absorb`, before evaluation (e.g. averaging shared layers)."""
-
-    def assign(self, server_round: int, replies: list[Reply]) -> None:
-        """Move clients between clusters given this round's replies (used by the default absorb).
-
-        A ``train_select`` client joins the cluster whose model it chose (the model with its
-        lowest training loss); other clients stay put.
-        """
-        for reply in replies:
-            if reply.task is TRAIN_SELECT:
-                self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[protocol.SELECTED])]
+        return None
 
     def phase(self, server_round: int) -> str:
         """Name of the algorithm's phase in ``server_round`` (recorded per round)."""
         return self.name
 
-    def evaluation_model(self, pid: int) -> NDArrays:
-        """The model client ``pid`` is evaluated with: its own if it has one, else its cluster's."""
-        if pid in self.client_models:
-            return self.client_models[pid]
-        return self.models[int(self.assignment[pid])]
+    def unassigned_model(self) -> NDArrays:
+        """The model a client without a cluster (``UNASSIGNED``) is evaluated on, counted under
+        ``unassigned``: by default the lowest-numbered cluster's."""
+        return self.models[min(self.models)]
 
-    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
         """Algorithm-specific entries of the round's row in ``rounds.jsonl``."""
         return {}
 
-    def extra_summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """Algorithm-specific entries of ``summary.json``."""
         return {}
 
-    def extra_state(self) -> dict[str, Any]:
-        """JSON-ready state a checkpoint must keep to resume (restored by :meth:`restore_extra`)."""
+    def artifacts(self) -> Artifacts:
+        """Files describing the strategy's state (written with every checkpoint and at the end)."""
         return {}
 
-    def extra_models(self) -> dict[str, NDArrays]:
-        """Models besides cluster and client models that a checkpoint must keep (e.g. FL+HC's joint model)."""
-        return {}
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this strategy needs to continue: models, assignment, RNG and, in subclasses,
+        their own state. Values are arrays, lists of arrays, dicts and JSON scalars; dict keys are
+        strings or ints. Subclasses extend it: ``return super().state_dict() | {...}``."""
+        return {
+            "strategy": self.name,
+            "models": self.models,
+            "client_models": self.client_models,
+            "assignment": self.assignment,
+            "rng": self.rng.bit_generator.state,
+        }
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`extra_state` and :meth:`extra_models` saved."""
-
-    def write_artifacts(self) -> None:
-        """Algorithm-specific files in the run directory (e.g. a dendrogram)."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (:meth:`state_dict`'s); subclasses call ``super()`` first."""
+        if state["strategy"] != self.name:
+            raise ValueError(f"a state of strategy {state['strategy']!r}, not {self.name!r}")
+        self.models = {int(k): list(model) for k, model in state["models"].items()}
+        self.client_models = {int(p): list(model) for p, model in state["client_models"].items()}
+        self.assignment[:] = state["assignment"]
+        self.rng.bit_generator.state = state["rng"]
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
-        """Options a branch of a checkpoint with ``state`` may not change, because the run has
-        already acted on them (e.g. FL+HC's clustering options once it clustered); default none."""
+        """Options a branch of a checkpoint whose strategy state is ``state`` may not change,
+        because the run has already acted on them (e.g. FL+HC's clustering options once it
+        clustered); default none."""
         return ()
 
     # ---- helpers for subclasses ------------------------------------------------------------------
@@ -247,6 +204,10 @@ class ClusteredStrategy(Strategy):
     def online(self) -> list[int]:
         """Partition ids online in the current round."""
         return self.directory.online
+
+    def initial_model(self) -> NDArrays:
+        """A fresh copy of the run's initial model."""
+        return [a.copy() for a in self.setup.initial_weights]
 
     def sample(self, pids: Sequence[int], fraction: float) -> list[int]:
         """Seeded sample of ``max(1, floor(fraction * len(pids)))`` clients (Flower's FedAvg
@@ -259,7 +220,7 @@ class ClusteredStrategy(Strategy):
     def start_clusters(self, assignment: Sequence[int]) -> None:
         """Assign clients to clusters, every cluster starting from the initial model."""
         self.assignment[:] = assignment
-        self.models = {int(c): [a.copy() for a in self.setup.initial_weights] for c in set(self.assignment.tolist())}
+        self.models = {int(c): self.initial_model() for c in set(self.assignment.tolist())}
 
     def members(self, cluster: int, pids: Sequence[int]) -> list[int]:
         return [p for p in pids if self.assignment[p] == cluster]
@@ -281,9 +242,22 @@ class ClusteredStrategy(Strategy):
 
     def select_cluster(self, pid: int, clusters: Sequence[int] | None = None) -> Instruction:
         """``pid`` picks the cluster model (of ``clusters``, default all) with its lowest training
-        loss, trains it and joins that cluster (by the default :meth:`assign`)."""
+        loss and trains it (task ``train_select``); :meth:`join_chosen_clusters` then moves it."""
         chosen = tuple(sorted(self.models) if clusters is None else clusters)
         return Instruction(pid, TRAIN_SELECT, {MODELS: [self.models[c] for c in chosen]}, clusters=chosen)
+
+    def per_cluster_training_and_placement(self, online: Sequence[int], fraction: float) -> list[Instruction]:
+        """:meth:`per_cluster_training`, and every online client without a cluster (it missed the
+        clustering, or joined later) choosing one (:meth:`select_cluster`)."""
+        newcomers = [p for p in online if self.assignment[p] == UNASSIGNED]
+        return self.per_cluster_training(online, fraction) + [self.select_cluster(p) for p in newcomers]
+
+    def join_chosen_clusters(self, replies: Sequence[Reply]) -> None:
+        """Each client that chose among cluster models (task ``train_select`` or ``select``: a
+        ``selected`` index into the instruction's ``clusters``) joins the cluster it chose."""
+        for reply in replies:
+            if reply.task in (TRAIN_SELECT, SELECT):
+                self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[SELECTED])]
 
     def parameter_indices(self, prefixes: Sequence[str], key: str) -> list[int]:
         """Indices of the model's arrays named by ``prefixes`` (e.g. ``conv``); an unknown
@@ -302,6 +276,14 @@ class ClusteredStrategy(Strategy):
         for cluster, members in by_cluster.items():
             self.models[cluster] = self.average(members)
 
+    def evaluation_model(self, pid: int) -> NDArrays:
+        """The model client ``pid`` is evaluated with: its own if it has one, else its cluster's,
+        else :meth:`unassigned_model`."""
+        if pid in self.client_models:
+            return self.client_models[pid]
+        cluster = int(self.assignment[pid])
+        return self.unassigned_model() if cluster == UNASSIGNED else self.models[cluster]
+
     # ---- Flower Strategy API ---------------------------------------------------------------------
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
@@ -311,21 +293,12 @@ class ClusteredStrategy(Strategy):
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
         server_round += self.round_offset
-        self.log.start_round()
+        counters = self.log.start_round()
         online = self.directory.online_clients(server_round, client_manager)
-        self._sent = {}
-        cache: protocol.SerializationCache = {}
-        messages = []
-        for instruction in self.fit_instructions(server_round, online):
-            if instruction.pid in self._sent:
-                raise ValueError(f"{self.name}: two instructions for client {instruction.pid} in round {server_round}")
-            params, config = self._encode(instruction, server_round, cache)
-            self._sent[instruction.pid] = (instruction, Sent.of(config[protocol.LAYOUT_KEY], config))
-            messages.append((self.directory.proxy(instruction.pid), FitIns(params, config)))
-            self.log.round.bytes_down += parameters_nbytes(params)
-        self.log.round.num_fit_clients = len(messages)
-        self.log.round.fit_clients = tuple(sorted(self._sent))
-        return messages
+        packed = self.messages.pack_fit(self.fit_instructions(server_round, online), server_round)
+        counters.bytes_down = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
+        counters.fit_clients = tuple(sorted(pid for pid, _ in packed))
+        return [(self.directory.proxy(pid), ins) for pid, ins in packed]
 
     def aggregate_fit(
         self,
@@ -341,12 +314,15 @@ class ClusteredStrategy(Strategy):
         replies = []
         for proxy, res in results:
             counters.bytes_up += parameters_nbytes(res.parameters)
-            reply = self._validated_reply(server_round, proxy, res)
-            if reply is not None:
+            pid = self.directory.pid_of(proxy)
+            reply = self.messages.fit_reply(pid, res)
+            if isinstance(reply, Reply):
                 replies.append(reply)
+            else:
+                counters.rejected_updates += 1
+                log(WARNING, "round %s: reply of client %s rejected: %s", server_round, pid, reply)
         replies.sort(key=lambda r: r.pid)  # arrival order is the thread pool's, not the seed's
-        self.absorb(server_round, replies)
-        self.after_round(server_round)
+        counters.artifacts = dict(self.absorb(server_round, replies) or {})
         losses = [float(v) for r in replies if protocol.is_finite_number(v := r.metrics.get(protocol.TRAIN_LOSS))]
         counters.train_loss = float(np.mean(losses)) if losses else float("nan")
         return None, {"accepted_updates": len(replies), "fit_failures": counters.fit_failures}
@@ -357,16 +333,11 @@ class ClusteredStrategy(Strategy):
         server_round += self.round_offset
         online = self.directory.online_clients(server_round, client_manager)
         if not online:
-            self._record_round(server_round, {}, {}, eval_failures=0)
+            self.log.end_round(self, server_round, {}, {}, eval_failures=0)
             return []
-        cache: protocol.SerializationCache = {}
-        messages = []
-        for pid in online:
-            params, config = self._encode(Instruction(pid, EVALUATE, {MODELS: [self.evaluation_model(pid)]}),
-                                          server_round, cache)
-            messages.append((self.directory.proxy(pid), EvaluateIns(params, config)))
-            self.log.round.bytes_eval += parameters_nbytes(params)
-        return messages
+        packed = self.messages.pack_evaluate({pid: self.evaluation_model(pid) for pid in online}, server_round)
+        self.log.round.bytes_eval = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
+        return [(self.directory.proxy(pid), ins) for pid, ins in packed]
 
     def aggregate_evaluate(
         self,
@@ -378,15 +349,9 @@ class ClusteredStrategy(Strategy):
         accuracy: dict[int, float] = {}
         loss: dict[int, float] = {}
         val_loss: dict[int, float] = {}
-        evaluated = Sent({MODELS: 1}, {})
         for proxy, res in results:
             pid = self.directory.pid_of(proxy)
-            problem = (
-                "unknown client" if pid is None
-                else f"status {res.status.code.name}" if res.status.code != Code.OK
-                else f"loss {res.loss!r} is not a finite number" if not protocol.is_finite_number(res.loss)
-                else EVALUATE.problem_with_reply([], res.metrics, evaluated, self.model_spec)
-            )
+            problem = "unknown client" if pid is None else self.messages.evaluation_problem(res)
             if problem is None:
                 accuracy[pid], loss[pid] = float(res.metrics[protocol.ACCURACY]), float(res.loss)
                 if protocol.VAL_LOSS in res.metrics:
@@ -396,111 +361,13 @@ class ClusteredStrategy(Strategy):
         eval_failures = len(failures) + len(results) - len(accuracy)
         # Partition-id order, not arrival order: means are then bit-identical across reruns.
         accuracy, loss = dict(sorted(accuracy.items())), dict(sorted(loss.items()))
-        row = self._record_round(server_round, accuracy, loss, eval_failures, dict(sorted(val_loss.items())))
+        row = self.log.end_round(self, server_round, accuracy, loss, eval_failures, dict(sorted(val_loss.items())))
         mean_loss = float(np.mean(list(loss.values()))) if loss else None
         return mean_loss, {"mean_client_accuracy": row["mean_client_accuracy"]}
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         """No centralized evaluation: every client tests its own model on its own data."""
         return None
-
-    # ---- internals -------------------------------------------------------------------------------
-
-    def _encode(
-        self, instruction: Instruction, server_round: int, cache: protocol.SerializationCache
-    ) -> tuple[Parameters, dict[str, Scalar]]:
-        params, layout = protocol.pack_parameters(instruction.blocks, cache)
-        return params, protocol.instruction_config(instruction.task, server_round, layout, instruction.config)
-
-    def _validated_reply(self, server_round: int, proxy: ClientProxy, res: FitRes) -> Reply | None:
-        """The reply, or None (counted as rejected) if it could poison the strategy's state."""
-        pid = self.directory.pid_of(proxy)
-        instruction, sent = self._sent.get(pid, (None, None)) if pid is not None else (None, None)
-        try:
-            problem = self._problem_with(res, pid, instruction, sent)
-        except Exception as err:  # noqa: BLE001 - any unreadable reply is a rejected reply
-            problem = f"unreadable reply ({type(err).__name__}: {err})"
-        if problem is not None:
-            self.log.round.rejected_updates += 1
-            log(WARNING, "round %s: reply of client %s rejected: %s", server_round, pid, problem)
-            return None
-        assert instruction is not None and sent is not None
-        return Reply(instruction, res.num_examples, dict(res.metrics), res.parameters, sent, self.model_spec)
-
-    def _problem_with(
-        self, res: FitRes, pid: int | None, instruction: Instruction | None, sent: Sent | None
-    ) -> str | None:
-        if pid is None or instruction is None or sent is None:
-            return "not asked to work this round"
-        if res.status.code != Code.OK:
-            return f"status {res.status.code.name}: {res.status.message}"
-        limit = self.setup.train_sizes[pid] if self.setup.train_sizes is not None else None
-        if not protocol.is_finite_number(res.num_examples) or res.num_examples <= 0 or (limit and res.num_examples > limit):
-            return f"num_examples={res.num_examples!r}, expected 1..{limit or 'n'}"
-        arrays = protocol.parameters_to_arrays(res.parameters)
-        return instruction.task.problem_with_reply(arrays, res.metrics, sent, self.model_spec)
-
-    def _record_round(
-        self,
-        server_round: int,
-        accuracy: dict[int, float],
-        loss: dict[int, float],
-        eval_failures: int,
-        val_loss: dict[int, float] | None = None,
-    ) -> dict[str, Any]:
-        row = self.log.metrics_row(
-            server_round, self.phase(server_round), accuracy, loss, eval_failures,
-            self.assignment, self.directory.connected, val_loss,
-        )
-        row.update(self.extra_round_metrics(server_round))
-        recorder = self.setup.recorder
-        recorder.log_round(row)
-        if self.log.checkpoint_due(server_round):
-            recorder.save_checkpoint(self._checkpoint_models(), self._state(server_round))
-        if self.log.finished(server_round):
-            recorder.plot(self.setup.target_accuracy, self.setup.title or self.name)
-            self.write_artifacts()
-            self.log.announce_results()
-        summary = self.log.summary(server_round, self.name, self.assignment) | self.extra_summary()
-        recorder.write_summary(summary)  # last: "finished" means all is written
-        return row
-
-    def _checkpoint_models(self) -> dict[str, NDArrays]:
-        return (
-            {str(c): m for c, m in self.models.items()}
-            | {f"{CLIENT_MODEL_PREFIX}{p}": m for p, m in self.client_models.items()}
-            | self.extra_models()
-        )
-
-    def _state(self, server_round: int) -> dict[str, Any]:
-        return {
-            "round": server_round,
-            "strategy": self.name,
-            "assignment": self.assignment.tolist(),
-            "clusters": sorted(self.models),
-            "rng": self.rng.bit_generator.state,
-            **self.log.state(),
-            **self.extra_state(),
-        }
-
-    def restore(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        """Continue from a checkpoint: models, assignment, RNG, totals, strategy state.
-
-        Flower numbers the remaining rounds from 1 again; ``round_offset`` maps them back.
-        """
-        if state["strategy"] != self.name:
-            raise ValueError(f"checkpoint of strategy {state['strategy']!r}, not {self.name!r}")
-        self.models = {int(name): model for name, model in models.items() if name.isdigit()}
-        self.client_models = {
-            int(pid): model
-            for name, model in models.items()
-            if name.startswith(CLIENT_MODEL_PREFIX) and (pid := name.removeprefix(CLIENT_MODEL_PREFIX)).isdigit()
-        }
-        self.assignment[:] = state["assignment"]
-        self.rng.bit_generator.state = state["rng"]
-        self.round_offset = int(state["round"])
-        self.log.restore(state, self.round_offset)
-        self.restore_extra(models, state)
 
 
 def _describe_failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str:

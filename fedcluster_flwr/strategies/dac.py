@@ -48,6 +48,7 @@ i sampled j, clients ordered by true cluster.
 from __future__ import annotations
 
 import math
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -61,7 +62,7 @@ from ..clustering import cluster_square
 from ..protocol import GOSSIP_TRAIN, MODELS, TRAIN
 from ..results import plot_client_matrix
 from ..schema import require
-from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
+from .core import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_fraction
 
 
@@ -254,7 +255,7 @@ class Gossip(ClusteredStrategy):
         config = {protocol.indexed(protocol.SAMPLES_KEY, j): int(sizes[q]) if sizes is not None else 1
                   for j, q in enumerate(chosen)} | self.exchange_config()
         models = [self.client_models[pid]] + [self.client_models[q] for q in chosen]
-        return Instruction(pid, GOSSIP_TRAIN, {MODELS: models}, config, clusters=tuple(chosen))
+        return Instruction(pid, GOSSIP_TRAIN, {MODELS: models}, config, peers=tuple(chosen))
 
     def exchange_config(self) -> dict[str, int]:
         """Extra scalars of this round's gossip_train instructions."""
@@ -271,24 +272,22 @@ class Gossip(ClusteredStrategy):
             if reply.task is TRAIN:
                 self.pretrained[i] = True
                 continue
+            peers = reply.instruction.peers
             losses = [float(reply.metrics[protocol.indexed(protocol.LOSS, j)])  # >= 0 by the task's schema
-                      for j in range(len(reply.instruction.clusters))]
-            for k, loss in zip(reply.instruction.clusters, losses):
+                      for j in range(len(peers))]
+            for k, loss in zip(peers, losses):
                 self.similarity[i, k] = 1.0 / max(loss, MIN_LOSS)
                 self.met[i, k] = True
                 self.communication[i, k] += 1
-            self.after_exchange(i, reply.instruction.clusters, losses)
+            self.after_exchange(i, peers, losses)
         if self.round_phase != PRETRAIN_PHASE:
             self.exchanges += 1
         self.estimate = self.effective_similarity()
+        if self.met.any():  # soft clusters made hard for the metrics
+            self.assignment[:] = self.implied_clusters()
 
     def after_exchange(self, pid: int, neighbours: Sequence[int], losses: Sequence[float]) -> None:
         """What the relay learns from one client's exchange beyond s = 1/loss (replies in partition-id order)."""
-
-    def after_round(self, server_round: int) -> None:
-        """Soft clusters made hard for the metrics: HAC of the similarity into the true number of clusters."""
-        if self.met.any():
-            self.assignment[:] = self.implied_clusters()
 
     def phase(self, server_round: int) -> str:
         return self.round_phase
@@ -298,7 +297,7 @@ class Gossip(ClusteredStrategy):
         return self.similarity
 
     def implied_clusters(self) -> np.ndarray:
-        """Average-linkage clustering of the symmetrised similarity (as a distance: 1 / s, a loss),
+        """Soft clusters made hard for the metrics (``assignment``, hence purity/ARI): average-linkage clustering of the symmetrised similarity (as a distance: 1 / s, a loss),
         unknown pairs at the largest known distance."""
         loss = 1.0 / self.estimate  # NaN where unknown
         distance = np.where(np.isnan(loss), loss.T, np.where(np.isnan(loss.T), loss, (loss + loss.T) / 2))
@@ -308,55 +307,50 @@ class Gossip(ClusteredStrategy):
 
     # ---- records -----------------------------------------------------------------------------------
 
-    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
         return {"pairs_met": int(self.met.sum()), "exchanges": self.exchanges}
 
-    def extra_state(self) -> dict[str, Any]:
-        return {"similarity": _nan_to_minus_one(self.similarity), "met": self.met.tolist(),
-                "communication": self.communication.tolist(), "pretrained": self.pretrained.tolist(),
-                "exchanges": self.exchanges}
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {
+            "similarity": self.similarity, "met": self.met, "communication": self.communication,
+            "pretrained": self.pretrained, "exchanges": self.exchanges,
+        }
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        self.similarity = _minus_one_to_nan(state["similarity"])
-        self.met = np.asarray(state["met"], dtype=bool)
-        self.communication = np.asarray(state["communication"], dtype=np.int64)
-        # checkpoints from before pretraining existed: every client past it, every round an exchange
-        self.pretrained = np.asarray(state.get("pretrained", [True] * len(self.met)), dtype=bool)
-        self.exchanges = int(state.get("exchanges", state["round"]))
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.similarity = np.array(state["similarity"], dtype=float)
+        self.met = np.array(state["met"], dtype=bool)
+        self.communication = np.array(state["communication"], dtype=np.int64)
+        self.pretrained = np.array(state["pretrained"], dtype=bool)
+        self.exchanges = int(state["exchanges"])
         self.estimate = self.effective_similarity()
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
-        """Pretraining is round 1's work: a branch from a later round can no longer change it."""
-        return ("pretrain_epochs",) if state.get("round", 0) >= 1 else ()
+        """Pretraining is round 1's work: a branch of a checkpoint can no longer change it."""
+        return ("pretrain_epochs",)
 
-    def write_artifacts(self) -> None:
+    def artifacts(self) -> Artifacts:
         """``communication.npy`` / ``communication.png`` (how often i sampled j) and ``similarity.npy``."""
-        run_dir = self.setup.recorder.run_dir
-        np.save(run_dir / "communication.npy", self.communication)
-        np.save(run_dir / "similarity.npy", self.estimate)
         counts = self.communication / max(int(self.communication.max()), 1)
-        plot_client_matrix(counts, self.setup.true_clusters, self.setup.cluster_names, run_dir / "communication.png",
-                           f"{self.name}: how often client i (row) sampled j", "share of the most frequent pair")
+        return {
+            "communication.npy": self.communication,
+            "similarity.npy": self.estimate,
+            "communication.png": functools.partial(
+                plot_client_matrix, counts, self.setup.true_clusters, self.setup.cluster_names,
+                title=f"{self.name}: how often client i (row) sampled j", colour_label="share of the most frequent pair",
+            ),
+        }
 
     # ---- internals ---------------------------------------------------------------------------------
 
     def _initial_model(self, pid: int) -> NDArrays:
         """Client 0 and, with ``same_init``, every client start from the run's initial model."""
         if self.options.same_init or pid == 0:
-            return [a.copy() for a in self.setup.initial_weights]
+            return self.initial_model()
         if self.setup.init_weights is None:
             raise ValueError(f"{self.name} needs StrategySetup.init_weights for different initialisations")
         return self.setup.init_weights(int(np.random.SeedSequence([self.setup.seed, pid, 7]).generate_state(1)[0]))
-
-
-def _nan_to_minus_one(matrix: np.ndarray) -> list:
-    return np.where(np.isnan(matrix), -1.0, matrix).tolist()  # similarities are > 0: -1 marks unknown
-
-
-def _minus_one_to_nan(rows: Any) -> np.ndarray:
-    matrix = np.asarray(rows, dtype=float)
-    return np.where(matrix < 0, np.nan, matrix)
 
 
 class RandomGossip(Gossip):
@@ -416,15 +410,15 @@ class DAC(Gossip):
         """τ · s_i (p = softmax(τ · s_i)); a pair with no estimate scores s = 0 (uniform at the first exchange)."""
         return self.tau(server_round) * np.nan_to_num(self.estimate[pid, candidates], nan=0.0)
 
-    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
-        return super().extra_round_metrics(server_round) | {"tau": self.round_tau}
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
+        return super().round_metrics(server_round) | {"tau": self.round_tau}
 
-    def extra_state(self) -> dict[str, Any]:
-        return super().extra_state() | {"reference_table": _nan_to_minus_one(self.reference_table)}
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"reference_table": self.reference_table}
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        self.reference_table = _minus_one_to_nan(state.get("reference_table", state["similarity"]))
-        super().restore_extra(models, state)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.reference_table = np.array(state["reference_table"], dtype=float)  # before the estimate is rebuilt
+        super().load_state_dict(state)
 
 
 class DACVar(DAC):
@@ -501,18 +495,17 @@ class PENS(Gossip):
             expected = self.options.num_kept / self.setup.num_clients * self.options.selection_rounds
             self.neighbour_sets = self.kept_counts > expected
 
-    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
         sizes = self.neighbour_sets.sum(axis=1)
-        return super().extra_round_metrics(server_round) | {"mean_neighbour_set": float(sizes.mean())}
+        return super().round_metrics(server_round) | {"mean_neighbour_set": float(sizes.mean())}
 
-    def extra_state(self) -> dict[str, Any]:
-        return super().extra_state() | {"kept_counts": self.kept_counts.tolist(),
-                                        "neighbour_sets": self.neighbour_sets.tolist()}
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"kept_counts": self.kept_counts, "neighbour_sets": self.neighbour_sets}
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        super().restore_extra(models, state)
-        self.kept_counts = np.asarray(state["kept_counts"], dtype=np.int64)
-        self.neighbour_sets = np.asarray(state["neighbour_sets"], dtype=bool)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.kept_counts = np.array(state["kept_counts"], dtype=np.int64)
+        self.neighbour_sets = np.array(state["neighbour_sets"], dtype=bool)
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:

@@ -29,10 +29,10 @@ from typing import Any, Literal
 import numpy as np
 from flwr.common import NDArrays, log
 
-from ..clustering import HacResult, UpdateMatrix, flatten, hierarchical_clustering
-from ..results import plot_dendrogram
+from ..clustering import ClusteringRecord, HacResult, UpdateMatrix, flatten, hierarchical_clustering
+from ..protocol import MODEL
 from ..schema import require
-from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
+from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_clusters_fit, require_fraction
 
 
@@ -95,52 +95,54 @@ class FLHC(ClusteredStrategy):
 
     def __init__(self, options: FLHCOptions, setup: StrategySetup) -> None:
         super().__init__(options, setup)
-        self.clustering_round = options.rounds_before_clustering + 1
-        self.clustered_at: int | None = None  # the round clustering happened (later if it had to wait)
-        self.joint_model: NDArrays | None = None
-        self.hac: HacResult | None = None
-        self.clustered_pids: list[int] = []
+        self.planned_clustering_round = options.rounds_before_clustering + 1  # later if it must wait for a quorum
+        self.clustering: ClusteringRecord | None = None  # the clustering that happened
+        self.joint_model: NDArrays | None = None  # the FedAvg model the clusters started from
 
     @property
     def clustered(self) -> bool:
-        return self.clustered_at is not None
+        return self.clustering is not None
 
     def phase(self, server_round: int) -> str:
-        if self.clustered_at is not None and server_round > self.clustered_at:
+        if self.clustering is not None and server_round > self.clustering.round:
             return "clustered"
-        return "clustering" if server_round >= self.clustering_round else "fedavg"
+        return "clustering" if server_round >= self.planned_clustering_round else "fedavg"
 
     def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
         cf = self.options.client_fraction
-        if not self.clustered and server_round < self.clustering_round:
+        if not self.clustered and server_round < self.planned_clustering_round:
             return self.train_cluster_models(self.sample(online, cf))
         if not self.clustered:
             return self.train_cluster_models(online)  # the clustering round: every client
-        newcomers = [p for p in online if self.assignment[p] == UNASSIGNED]
-        return self.per_cluster_training(online, cf) + [self.select_cluster(p) for p in newcomers]
+        return self.per_cluster_training_and_placement(online, cf)
 
-    def assign(self, server_round: int, updates: list[Reply]) -> None:
+    def absorb(self, server_round: int, replies: list[Reply]) -> Artifacts | None:
+        artifacts = None
         if self.clustered:
-            super().assign(server_round, updates)
-            return
-        if server_round < self.clustering_round:
-            return
+            self.join_chosen_clusters(replies)
+        elif server_round >= self.planned_clustering_round:
+            artifacts = self._try_clustering(server_round, replies)
+        # Every cluster starts from the joint model; in the clustering round each then averages its members' updates.
+        self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
+        return artifacts
+
+    def unassigned_model(self) -> NDArrays:
+        """A client that missed the clustering is evaluated on the joint model until it chooses a cluster."""
+        return self.joint_model if self.joint_model is not None else super().unassigned_model()
+
+    def _try_clustering(self, server_round: int, updates: list[Reply]) -> Artifacts | None:
         quorum = self.options.clustering_quorum * len(self.online)
         if len(updates) < max(quorum, 1):
             log(WARNING, "FL+HC round %s: %d updates, below the clustering quorum of %.0f; clustering next round",
                 server_round, len(updates), quorum)
-            return
+            return None
         try:
-            self._cluster(server_round, updates)
+            return self._cluster(server_round, updates)
         except (ValueError, FloatingPointError) as err:
             log(ERROR, "FL+HC round %s: clustering failed (%s); retrying next round", server_round, err)
+            return None
 
-    def evaluation_model(self, pid: int) -> NDArrays:
-        if self.assignment[pid] == UNASSIGNED and self.joint_model is not None:
-            return self.joint_model
-        return super().evaluation_model(pid)
-
-    def _cluster(self, server_round: int, updates: list[Reply]) -> None:
+    def _cluster(self, server_round: int, updates: list[Reply]) -> Artifacts:
         """Hierarchical clustering of the updates dw = w_local - w_joint."""
         opts = self.options
         joint = self.models[0]
@@ -148,83 +150,64 @@ class FLHC(ClusteredStrategy):
         matrix = UpdateMatrix(len(updates), joint_vector.size, opts.projection_dim, self.setup.seed)
         for row, update in enumerate(updates):  # one update deserialized at a time
             matrix.set_row(row, flatten(update.model()) - joint_vector)
-        if opts.save_updates:
-            np.save(self.setup.recorder.run_dir / "updates.npy", matrix.rows)
         hac = hierarchical_clustering(
             matrix.rows, opts.distance, opts.linkage, threshold=opts.threshold, num_clusters=opts.num_clusters
         )
-        self.hac, self.clustered_at, self.joint_model = hac, server_round, joint
-        self.clustered_pids = [u.pid for u in updates]
+        self.clustering = ClusteringRecord.of(server_round, [u.pid for u in updates], hac)
+        self.joint_model = joint
         self.assignment[:] = UNASSIGNED
-        self.assignment[self.clustered_pids] = hac.labels
-        # Every cluster starts from the joint model; the base then averages its members' updates.
+        self.assignment[list(self.clustering.pids)] = hac.labels
         self.models = {k: joint for k in range(hac.num_clusters)}
         log(
             INFO,
             "FL+HC round %s: %d clients -> %d clusters of sizes %s (%s distance, %s linkage); %s",
             server_round, len(updates), hac.num_clusters, np.bincount(hac.labels).tolist(),
-            opts.distance, opts.linkage, self._distance_note(),
+            opts.distance, opts.linkage, _distance_note(hac),
         )
-        self.write_artifacts()
+        updates_file = {"updates.npy": matrix.rows} if opts.save_updates else {}
+        return dict(self.artifacts()) | updates_file  # the dendrogram now, not only at the next checkpoint
 
-    def _distance_note(self) -> str:
-        assert self.hac is not None
-        d = self.hac.distances
-        heights = self.hac.linkage[-5:, 2] if len(self.hac.linkage) else []
-        return (
-            f"pairwise distances min {d.min():.4g} / median {np.median(d):.4g} / max {d.max():.4g}; "
-            f"last merge heights {', '.join(f'{h:.4g}' for h in heights)}"
-            if len(d) else "fewer than two updates"
-        )
-
-    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
         return {"unassigned_clients": sum(1 for p in self.online if self.assignment[p] == UNASSIGNED)}
 
-    def extra_summary(self) -> dict[str, Any]:
-        if self.hac is None:
-            return {"clustering_round": None}
+    def summary(self) -> dict[str, Any]:
+        return self.clustering.summary() if self.clustering is not None else {"clustering_round": None}
+
+    def artifacts(self) -> Artifacts:
+        """``linkage.npy`` (scipy linkage matrix over ``clustered_clients``) and ``dendrogram.png``."""
+        if self.clustering is None or len(self.clustering.linkage) == 0:
+            return {}
+        title = f"FL+HC round {self.clustering.round}: {self.options.distance} / {self.options.linkage}"
         return {
-            "clustering_round": self.clustered_at,
-            "clusters_found": self.hac.num_clusters,
-            "clustered_clients": self.clustered_pids,
-            "clustering_labels": self.hac.labels.tolist(),
-            "merge_heights": self.hac.linkage[:, 2].tolist(),
+            "linkage.npy": self.clustering.linkage,
+            "dendrogram.png": self.clustering.dendrogram(self.setup.true_clusters, self.options.threshold, title),
         }
 
-    def extra_state(self) -> dict[str, Any]:
-        return {"clustered_at": self.clustered_at, "clustered_pids": self.clustered_pids}
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {
+            "clustering": None if self.clustering is None else self.clustering.state_dict(),
+            "joint_model": self.joint_model,
+        }
 
-    def extra_models(self) -> dict[str, NDArrays]:
-        return {} if self.joint_model is None else {"joint": self.joint_model}
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.clustering = ClusteringRecord.from_state(state["clustering"])
+        self.joint_model = None if state["joint_model"] is None else list(state["joint_model"])
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
         """Once the run clustered, its clusters came from these options; before, none is fixed."""
-        if state.get("clustered_at") is None:
+        if state.get("clustering") is None:
             return ()
         return ("rounds_before_clustering", "distance", "linkage", "threshold", "num_clusters", "projection_dim",
                 "clustering_quorum")
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        self.clustered_at = state["clustered_at"]
-        self.clustered_pids = list(state["clustered_pids"])
-        self.joint_model = models.get("joint")
-        if self.clustered_at is not None:
-            linkage_file = self.setup.recorder.run_dir / "linkage.npy"
-            linkage = np.load(linkage_file) if linkage_file.is_file() else np.zeros((0, 4))
-            labels = self.assignment[self.clustered_pids]  # a copy; clustered clients never change cluster
-            self.hac = HacResult(labels, linkage, np.zeros(0))
 
-    def write_artifacts(self) -> None:
-        """``linkage.npy`` (scipy linkage matrix over ``clustered_clients``) and ``dendrogram.png``."""
-        if self.hac is None or len(self.hac.linkage) == 0:
-            return
-        run_dir = self.setup.recorder.run_dir
-        np.save(run_dir / "linkage.npy", self.hac.linkage)
-        plot_dendrogram(
-            self.hac.linkage,
-            [f"{p}:{self.setup.true_clusters[p]}" for p in self.clustered_pids],
-            self.options.threshold,
-            run_dir / "dendrogram.png",
-            f"FL+HC round {self.clustered_at}: {self.options.distance} / {self.options.linkage}",
-        )
+def _distance_note(hac: HacResult) -> str:
+    d = hac.distances
+    heights = hac.linkage[-5:, 2] if len(hac.linkage) else []
+    return (
+        f"pairwise distances min {d.min():.4g} / median {np.median(d):.4g} / max {d.max():.4g}; "
+        f"last merge heights {', '.join(f'{h:.4g}' for h in heights)}"
+        if len(d) else "fewer than two updates"
+    )

@@ -50,8 +50,6 @@ from ..schema import require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_clusters_fit, require_fraction
 
-DIRECTION_MODEL_PREFIX = "direction"  # checkpoint name of cluster k's last update: direction<k>
-
 
 @dataclass(frozen=True)
 class IFCAOptions:
@@ -180,14 +178,14 @@ class IFCA(ClusteredStrategy):
         return Instruction(pid, task, blocks, self.options.selection_config(), clusters=clusters)
 
     def absorb(self, server_round: int, replies: list[Reply]) -> None:
-        if server_round <= self.options.warmup_rounds:
+        opts = self.options
+        if server_round <= opts.warmup_rounds:
             if replies:
                 self.models[0] = self.average(replies)
             return
         previous = self.assignment.copy()
-        for reply in replies:
-            self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[protocol.SELECTED])]
-            self.asked.add(reply.pid)
+        self.join_chosen_clusters(replies)
+        self.asked.update(r.pid for r in replies)
         forced_pids = set(self.forced.values())
         chose = [r for r in replies if r.pid not in forced_pids]
         self.identity_changes = sum(
@@ -203,62 +201,55 @@ class IFCA(ClusteredStrategy):
                 k: [new - old for new, old in zip(model, before[k])]
                 for k, model in self.models.items() if model is not before[k]
             }
-
-    def after_round(self, server_round: int) -> None:
-        opts = self.options
-        if server_round > opts.warmup_rounds:
-            held = set(self.assignment[self.assignment != UNASSIGNED].tolist())
-            empty = [k for k in sorted(self.models) if k not in held]
-            self.to_reseed = empty if opts.cluster_guard == "reseed_empty" and held else []
-
-    def evaluation_model(self, pid: int) -> NDArrays:
-        """The model of the client's latest identity; a client without one (warm-up, or it never
-        answered) is evaluated on cluster model 0 and counted under ``unassigned``."""
-        cluster = int(self.assignment[pid])
-        return self.models[cluster if cluster != UNASSIGNED else 0]
+        held = set(self.assignment[self.assignment != UNASSIGNED].tolist())
+        empty = [k for k in sorted(self.models) if k not in held]
+        self.to_reseed = empty if opts.cluster_guard == "reseed_empty" and held else []
 
     # ---- records ---------------------------------------------------------------------------------
 
-    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+    def cluster_sizes(self) -> list[int]:
+        """Clients holding each identity (the latest each reported)."""
         assigned = self.assignment[self.assignment != UNASSIGNED]
-        sizes = np.bincount(assigned, minlength=len(self.models)).tolist() if len(assigned) else [0] * len(self.models)
+        return np.bincount(assigned, minlength=len(self.models)).tolist() if len(assigned) else [0] * len(self.models)
+
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
         return {
-            "cluster_sizes": sizes,
+            "cluster_sizes": self.cluster_sizes(),
             "identity_changes": self.identity_changes,
-            "identified_clients": int(len(assigned)),
+            "identified_clients": int((self.assignment != UNASSIGNED).sum()),
             "forced_clients": {str(k): p for k, p in self.forced.items()},
             **self.spreads,
         }
 
-    def extra_summary(self) -> dict[str, Any]:
-        return {"cluster_sizes": self.extra_round_metrics(0)["cluster_sizes"]}
+    def summary(self) -> dict[str, Any]:
+        return {"cluster_sizes": self.cluster_sizes()}
 
-    def extra_state(self) -> dict[str, Any]:
-        return {"asked": sorted(self.asked), "to_reseed": self.to_reseed, "identity_changes": self.identity_changes}
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {
+            "directions": self.directions,
+            "asked": sorted(self.asked),
+            "to_reseed": self.to_reseed,
+            "identity_changes": self.identity_changes,
+        }
 
-    def extra_models(self) -> dict[str, NDArrays]:
-        return {f"{DIRECTION_MODEL_PREFIX}{k}": d for k, d in self.directions.items()}
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.directions = {int(k): list(d) for k, d in state["directions"].items()}
+        self.asked = set(state["asked"])
+        self.to_reseed = list(state["to_reseed"])
+        self.identity_changes = int(state["identity_changes"])
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
         """The K cluster models exist from the start (or the warm-up's end)."""
         return ("num_clusters",)
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        self.asked = set(state["asked"])
-        self.to_reseed = list(state["to_reseed"])
-        self.identity_changes = int(state["identity_changes"])
-        self.directions = {
-            int(k): model for name, model in models.items()
-            if name.startswith(DIRECTION_MODEL_PREFIX) and (k := name.removeprefix(DIRECTION_MODEL_PREFIX)).isdigit()
-        }
-
     # ---- internals -------------------------------------------------------------------------------
 
     def _seeded_model(self, cluster: int) -> NDArrays:
         """Cluster 0 starts from the run's initial model, cluster k from seed (run seed, k)."""
         if cluster == 0:
-            return [a.copy() for a in self.setup.initial_weights]
+            return self.initial_model()
         if self.setup.init_weights is None:
             raise ValueError(f"{self.name} needs StrategySetup.init_weights to initialise {self.options.num_clusters} models")
         seed = int(np.random.SeedSequence([self.setup.seed, cluster]).generate_state(1)[0])

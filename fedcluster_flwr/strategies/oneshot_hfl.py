@@ -27,12 +27,14 @@ A client absent from the one-shot phase (it failed, or joined later) joins the L
 model has its lowest training loss, the first time it is online afterwards.
 
 Communication: ``bytes_up``/``bytes_down`` are client↔LPS traffic (the one-shot rounds'
-eigen-summaries and relevance rows included); ``bytes_gps`` counts LPS↔GPS traffic (each LPS
-uploads its shared layers and downloads their average).
+eigen-summaries and relevance rows included; ``bytes_by_phase`` in ``summary.json`` splits them by
+phase, ``gram_eigen`` and ``relevance`` being the one-shot clustering's cost); ``bytes_gps``
+counts LPS↔GPS traffic (each LPS uploads its shared layers and downloads their average).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -43,18 +45,14 @@ from flwr.common import NDArrays, Scalar, log
 
 from .. import protocol
 from ..aggregation import average_layers
-from ..clustering import HacResult, cluster_by_relevance, relevance_matrix, within_and_across
+from ..clustering import ClusteringRecord, cluster_by_relevance, relevance_matrix, within_and_across
 from ..features import check_weights_file, feature_dim
 from ..models import model_outline, parameter_names, parameters_with_prefixes
-from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
-from ..results import plot_client_matrix, plot_dendrogram
+from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, MODEL, RELEVANCE, RELEVANCE_ROW
+from ..results import plot_client_matrix
 from ..schema import require
-from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
+from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_clusters_fit, require_fraction
-
-
-EIGEN_PREFIX = "eigen"  # checkpoint names of the one-shot phase in progress: eigen<pid>, row<pid>
-ROW_PREFIX = "row"
 
 
 @dataclass(frozen=True)
@@ -154,7 +152,7 @@ class HierarchicalFL(ClusteredStrategy):
         """Instructions of a round before the clusters exist."""
         raise NotImplementedError
 
-    def absorb_clustering(self, server_round: int, replies: list[Reply]) -> None:
+    def absorb_clustering(self, server_round: int, replies: list[Reply]) -> Artifacts | None:
         """Take a clustering round's replies; set ``clustered`` once the clusters exist."""
         raise NotImplementedError
 
@@ -165,21 +163,17 @@ class HierarchicalFL(ClusteredStrategy):
         self.round_phase = "lps" if self.clustered else self.clustering_phase()
         if not self.clustered:
             return self.clustering_instructions(server_round, online)
-        newcomers = [p for p in online if self.assignment[p] == UNASSIGNED]
-        return self.per_cluster_training(online, self.options.client_fraction) + [
-            self.select_cluster(p) for p in newcomers
-        ]
+        return self.per_cluster_training_and_placement(online, self.options.client_fraction)
 
-    def absorb(self, server_round: int, replies: list[Reply]) -> None:
+    def absorb(self, server_round: int, replies: list[Reply]) -> Artifacts | None:
         if self.round_phase != "lps":
-            self.absorb_clustering(server_round, replies)
-            return
-        super().absorb(server_round, replies)
+            return self.absorb_clustering(server_round, replies)
+        self.join_chosen_clusters(replies)
+        self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
         self.training_rounds += 1
-
-    def after_round(self, server_round: int) -> None:
-        if self.round_phase == "lps" and self.shared and self.training_rounds % self.options.lps_rounds == 0:
+        if self.shared and self.training_rounds % self.options.lps_rounds == 0:
             self.gps_step()
+        return None
 
     def gps_step(self) -> None:
         """The GPS: cluster-size-weighted average of the shared layers across the LPS models."""
@@ -202,25 +196,23 @@ class HierarchicalFL(ClusteredStrategy):
     def phase(self, server_round: int) -> str:
         return self.round_phase
 
-    def evaluation_model(self, pid: int) -> NDArrays:
-        """The client's LPS model; a client not placed yet is evaluated on LPS 0's model."""
-        cluster = int(self.assignment[pid])
-        return self.models[cluster if cluster != UNASSIGNED else min(self.models)]
-
-    def extra_round_metrics(self, server_round: int) -> dict[str, Any]:
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
         assigned = self.assignment[self.assignment != UNASSIGNED]
         return {
             "bytes_gps": self.gps_bytes,
             "cluster_sizes": np.bincount(assigned).tolist() if len(assigned) else [],
         }
 
-    def extra_summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         return {"bytes_gps": self.gps_total, "model_bytes": sum(a.nbytes for a in self.setup.initial_weights)}
 
-    def extra_state(self) -> dict[str, Any]:
-        return {"clustered": self.clustered, "training_rounds": self.training_rounds, "gps_total": self.gps_total}
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {
+            "clustered": self.clustered, "training_rounds": self.training_rounds, "gps_total": self.gps_total,
+        }
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
         self.clustered = bool(state["clustered"])
         self.round_phase = "lps" if self.clustered else self.round_phase
         self.training_rounds = int(state["training_rounds"])
@@ -266,11 +258,8 @@ class OneShotHFL(HierarchicalFL):
         # pid -> [vectors (k, d)], + [values (k,)] with relevance amiri (the paper's users share no eigenvalues)
         self.summaries: dict[int, list[np.ndarray]] = {}
         self.rows: dict[int, np.ndarray] = {}
-        self.relevance: np.ndarray | None = None
-        self.clustered_pids: list[int] = []
-        self.hac: HacResult | None = None
-        self.clustering_round: int | None = None
-        self.oneshot_bytes = {"up": 0, "down": 0}
+        self.relevance: np.ndarray | None = None  # R over clustering.pids
+        self.clustering: ClusteringRecord | None = None
 
     def feature_config(self) -> dict[str, Scalar]:
         opts = self.options
@@ -293,9 +282,7 @@ class OneShotHFL(HierarchicalFL):
         summaries = [self.summaries[p] for p in sorted(self.summaries)]
         return [Instruction(p, RELEVANCE_ROW, {EIGENVECTORS: summaries}, config) for p in online if p in self.summaries]
 
-    def absorb_clustering(self, server_round: int, replies: list[Reply]) -> None:
-        self.oneshot_bytes["up"] += self.log.round.bytes_up
-        self.oneshot_bytes["down"] += self.log.round.bytes_down
+    def absorb_clustering(self, server_round: int, replies: list[Reply]) -> Artifacts | None:
         needed = max(2, self.options.num_clusters or 2)
         if not self.summaries:
             for reply in replies:
@@ -305,7 +292,7 @@ class OneShotHFL(HierarchicalFL):
                 log(WARNING, "oneshot_hfl round %s: %d eigen-summaries, %d needed; asking again next round",
                     server_round, len(self.summaries), needed)
                 self.summaries = {}
-            return
+            return None
         summarised = sorted(self.summaries)
         self.rows.update({r.pid: r.blocks()[RELEVANCE][0] for r in replies})
         responders = [p for p in summarised if p in self.rows]
@@ -318,59 +305,58 @@ class OneShotHFL(HierarchicalFL):
             else:
                 log(WARNING, "oneshot_hfl round %s: %d relevance rows, %d needed; asking again next round",
                     server_round, len(responders), needed)
-            return
+            return None
         columns = [summarised.index(p) for p in responders]
         self.relevance = relevance_matrix(np.stack([self.rows[p][columns] for p in responders]))
-        self._cluster(server_round, responders)
+        return self._cluster(server_round, responders)
 
-    def _cluster(self, server_round: int, responders: list[int]) -> None:
+    def _cluster(self, server_round: int, responders: list[int]) -> Artifacts:
         opts = self.options
         hac = cluster_by_relevance(self.relevance, opts.linkage, threshold=opts.threshold, num_clusters=opts.num_clusters)
-        self.hac, self.clustered_pids, self.clustering_round = hac, responders, server_round
+        self.clustering = ClusteringRecord.of(server_round, responders, hac)
         assignment = np.full(self.setup.num_clients, UNASSIGNED)
         assignment[responders] = hac.labels
         self.assignment[:] = assignment
-        self.models = {k: [a.copy() for a in self.setup.initial_weights] for k in range(hac.num_clusters)}
+        self.models = {k: self.initial_model() for k in range(hac.num_clusters)}
         self.clustered = True
+        self.summaries, self.rows = {}, {}  # the one-shot phase is over; R keeps what they gave
         within, across = self.relevance_within_across()
         log(INFO, "oneshot_hfl round %s: %d clients -> %d clusters of sizes %s; mean R within true tasks %.3f, across %.3f",
             server_round, len(responders), hac.num_clusters, np.bincount(hac.labels).tolist(), within, across)
-        self.write_artifacts()
+        return self.artifacts()  # now, not only at the next checkpoint
 
     def relevance_within_across(self) -> tuple[float, float]:
-        if self.relevance is None:
+        if self.relevance is None or self.clustering is None:
             return float("nan"), float("nan")
-        return within_and_across(self.relevance, self.setup.true_clusters[self.clustered_pids])
+        return within_and_across(self.relevance, self.setup.true_clusters[list(self.clustering.pids)])
 
-    def extra_summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         within, across = self.relevance_within_across()
         k, d = self.options.num_eigenvectors, self.dim
-        return super().extra_summary() | {
-            "clustering_round": self.clustering_round,
-            "clusters_found": self.hac.num_clusters if self.hac is not None else None,
-            "clustered_clients": self.clustered_pids,
+        clustering = self.clustering.summary() if self.clustering is not None else {"clustering_round": None}
+        return super().summary() | clustering | {
             "relevance_within_true_clusters": within,
             "relevance_across_true_clusters": across,
-            "oneshot_bytes_up": self.oneshot_bytes["up"],
-            "oneshot_bytes_down": self.oneshot_bytes["down"],
             "relevance_rule": self.options.relevance,
             "eigen_summary_floats": k * d + (k if self.options.relevance == "amiri" else 0),  # per client, up; N times that down
         }
 
-    def extra_state(self) -> dict[str, Any]:
-        return super().extra_state() | {
-            "clustered_pids": self.clustered_pids, "clustering_round": self.clustering_round,
-            "oneshot_bytes": self.oneshot_bytes,
-            "relevance": None if self.relevance is None else self.relevance.tolist(),
-            "linkage": None if self.hac is None else self.hac.linkage.tolist(),
+    def state_dict(self) -> dict[str, Any]:
+        """Besides the clustering: the one-shot phase in progress (eigen-summaries and relevance
+        rows received so far)."""
+        return super().state_dict() | {
+            "summaries": self.summaries,
+            "rows": self.rows,
+            "relevance": self.relevance,
+            "clustering": None if self.clustering is None else self.clustering.state_dict(),
         }
 
-    def extra_models(self) -> dict[str, NDArrays]:
-        """The one-shot phase in progress: eigen-summaries and relevance rows received so far."""
-        if self.clustered:
-            return {}
-        return ({f"{EIGEN_PREFIX}{p}": summary for p, summary in self.summaries.items()}
-                | {f"{ROW_PREFIX}{p}": [row] for p, row in self.rows.items()})
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.summaries = {int(p): list(summary) for p, summary in state["summaries"].items()}
+        self.rows = {int(p): row for p, row in state["rows"].items()}
+        self.relevance = state["relevance"]
+        self.clustering = ClusteringRecord.from_state(state["clustering"])
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
@@ -380,35 +366,23 @@ class OneShotHFL(HierarchicalFL):
         return ("features", "feature_dim", "pretrained_weights", "num_eigenvectors", "relevance", "num_clusters",
                 "threshold", "linkage")
 
-    def restore_extra(self, models: Mapping[str, NDArrays], state: Mapping[str, Any]) -> None:
-        super().restore_extra(models, state)
-        self.clustered_pids = list(state["clustered_pids"])
-        self.clustering_round = state["clustering_round"]
-        self.oneshot_bytes = dict(state["oneshot_bytes"])
-        if state["relevance"] is not None:
-            self.relevance = np.asarray(state["relevance"])
-        if state["linkage"] is not None:
-            self.hac = HacResult(self.assignment[self.clustered_pids].copy(), np.asarray(state["linkage"]), np.zeros(0))
-        for name, arrays in models.items():
-            if name.startswith(EIGEN_PREFIX) and (pid := name.removeprefix(EIGEN_PREFIX)).isdigit():
-                self.summaries[int(pid)] = list(arrays)
-            elif name.startswith(ROW_PREFIX) and (pid := name.removeprefix(ROW_PREFIX)).isdigit():
-                self.rows[int(pid)] = arrays[0]
-
-    def write_artifacts(self) -> None:
+    def artifacts(self) -> Artifacts:
         """``relevance.npy`` (R over ``clustered_clients``), ``similarity.png`` (R, clients ordered by
         true task, with the clusters found beside it) and ``dendrogram.png``."""
-        if self.relevance is None:
-            return
-        run_dir = self.setup.recorder.run_dir
-        np.save(run_dir / "relevance.npy", self.relevance)
-        true = self.setup.true_clusters[self.clustered_pids]
-        found = self.assignment[self.clustered_pids]
-        plot_client_matrix(self.relevance, true, self.setup.cluster_names, run_dir / "similarity.png",
-                           f"relevance R ({self.options.relevance} rule, {self.options.features}, "
-                           f"k={self.options.num_eigenvectors}); strip: the {self.hac.num_clusters if self.hac else 0} clusters found",
-                           "R", clients=self.clustered_pids, found=found)
-        if self.hac is not None and len(self.hac.linkage):
-            labels = [f"{p}:{t}" for p, t in zip(self.clustered_pids, true)]
-            plot_dendrogram(self.hac.linkage, labels, self.options.threshold, run_dir / "dendrogram.png",
-                            f"one-shot clustering of 1 - R ({self.options.linkage} linkage)")
+        if self.relevance is None or self.clustering is None:
+            return {}
+        opts, clustering = self.options, self.clustering
+        pids = list(clustering.pids)
+        title = (f"relevance R ({opts.relevance} rule, {opts.features}, k={opts.num_eigenvectors}); "
+                 f"strip: the {clustering.num_clusters} clusters found")
+        files: dict[str, Any] = {
+            "relevance.npy": self.relevance,
+            "similarity.png": functools.partial(
+                plot_client_matrix, self.relevance, self.setup.true_clusters[pids], self.setup.cluster_names,
+                title=title, colour_label="R", clients=pids, found=clustering.labels,
+            ),
+        }
+        if len(clustering.linkage):
+            files["dendrogram.png"] = clustering.dendrogram(
+                self.setup.true_clusters, opts.threshold, f"one-shot clustering of 1 - R ({opts.linkage} linkage)")
+        return files

@@ -1,20 +1,23 @@
-"""The round log: a run's per-round accounting and what it writes.
+"""The round log: a run's per-round accounting and everything it writes.
 
 It owns the round's counters (traffic, failures, rejected replies, training loss), the run's
-totals and wall time, the metrics row of every round (mean, per assigned cluster and per
-*true* cluster accuracy, clustering scores against the true ids, traffic), the summary, and
-when checkpoints and plots are due. Files are written through
-:class:`~fedcluster_flwr.results.RunRecorder`; the strategy supplies what only it knows
-(phase, assignment, its models and state).
+totals (also per phase) and wall time, the metrics row of every round (mean, per assigned
+cluster and per *true* cluster accuracy, clustering scores against the true ids, traffic), the
+summary, and when checkpoints, artifacts and plots are due. Files are written through
+:class:`~fedcluster_flwr.results.RunRecorder`. The strategy is only read, through its public
+hooks (phase, assignment, round_metrics, summary, state_dict, artifacts); it writes nothing.
+
+A checkpoint is ``{"round", "strategy": strategy.state_dict(), "log": log.state_dict()}``,
+self-contained: :func:`resume` continues a freshly built strategy from it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.common import log
@@ -22,13 +25,17 @@ from flwr.common import log
 from ..clustering import cluster_scores
 from ..results import RunRecorder
 
+if TYPE_CHECKING:
+    from .core import ClusteredStrategy
+
 UNASSIGNED = -1
 
 
 @dataclass
 class RoundCounters:
+    """What the round in progress has produced so far (filled by the strategy core)."""
+
     started: float = 0.0
-    num_fit_clients: int = 0
     fit_clients: tuple[int, ...] = ()
     fit_failures: int = 0
     rejected_updates: int = 0
@@ -36,9 +43,11 @@ class RoundCounters:
     bytes_down: int = 0
     bytes_eval: int = 0
     train_loss: float = float("nan")
+    artifacts: dict[str, Any] = field(default_factory=dict)  # files the algorithm returned this round
 
 
 TOTALS = ("bytes_up", "bytes_down", "bytes_eval", "fit_failures", "rejected_updates")
+PHASE_TOTALS = ("bytes_up", "bytes_down")  # also summed per phase (e.g. one-shot HFL's clustering rounds)
 
 
 def mean_by(values: Mapping[int, float], groups: Mapping[int, str]) -> dict[str, float]:
@@ -65,8 +74,10 @@ class RoundLog:
         checkpoint_every: int,
         stop_round: int | None = None,
         numeric_platform: Mapping[str, str] | None = None,
+        title: str = "",
     ) -> None:
         self.recorder = recorder
+        self.title = title
         self.numeric_platform = dict(numeric_platform or {})
         self.stop_round = stop_round
         self.true_clusters = true_clusters
@@ -75,14 +86,16 @@ class RoundLog:
         self.checkpoint_every = checkpoint_every
         self.round = RoundCounters()
         self.totals = {key: 0 for key in TOTALS}
+        self.totals_by_phase: dict[str, dict[str, int]] = {}
         self.latest_accuracy: dict[int, float] = {}
         # Per client: (lowest validation loss so far, test accuracy of the model that had it).
         self.best_validated: dict[int, tuple[float, float]] = {}
         self._started = time.perf_counter()
         self._seconds_before = 0.0  # wall time of the rounds before a resumed checkpoint
 
-    def start_round(self) -> None:
+    def start_round(self) -> RoundCounters:
         self.round = RoundCounters(started=time.perf_counter())
+        return self.round
 
     def finished(self, server_round: int) -> bool:
         return server_round >= self.rounds
@@ -118,6 +131,9 @@ class RoundLog:
         counters = self.round
         for key in self.totals:
             self.totals[key] += getattr(counters, key)
+        by_phase = self.totals_by_phase.setdefault(phase, {key: 0 for key in PHASE_TOTALS})
+        for key in PHASE_TOTALS:
+            by_phase[key] += getattr(counters, key)
         self.latest_accuracy = dict(accuracy)
         for pid, value in (val_loss or {}).items():
             if pid not in self.best_validated or value < self.best_validated[pid][0]:
@@ -135,7 +151,7 @@ class RoundLog:
             **cluster_scores(self.true_clusters[assigned], assignment[assigned]),
             "mean_test_loss": float(np.mean(list(loss.values()))) if loss else float("nan"),
             "mean_train_loss": counters.train_loss,
-            "num_fit_clients": counters.num_fit_clients,
+            "num_fit_clients": len(counters.fit_clients),
             "fit_clients": list(counters.fit_clients),
             "client_accuracy": {str(pid): value for pid, value in accuracy.items()},
             "num_evaluated": len(accuracy),
@@ -184,6 +200,7 @@ class RoundLog:
             "true_clusters": self.true_clusters.tolist(),
             "client_accuracy": {str(p): a for p, a in sorted(self.latest_accuracy.items())},
             **self.totals,
+            "bytes_by_phase": self.totals_by_phase,
             "wall_seconds": self.wall_seconds(),
             "numeric_platform": self.numeric_platform,
         }
@@ -191,15 +208,61 @@ class RoundLog:
     def wall_seconds(self) -> float:
         return self._seconds_before + time.perf_counter() - self._started
 
-    def state(self) -> dict[str, Any]:
-        best = {str(p): list(v) for p, v in self.best_validated.items()}
-        return {"totals": self.totals, "wall_seconds": self.wall_seconds(), "best_validated": best}
+    def end_round(
+        self,
+        strategy: ClusteredStrategy,
+        server_round: int,
+        accuracy: dict[int, float],
+        loss: dict[int, float],
+        eval_failures: int,
+        val_loss: dict[int, float] | None = None,
+    ) -> dict[str, Any]:
+        """Record the round: its row, the files the algorithm returned, a checkpoint with the
+        strategy's artifacts when one is due, the plots at the end, and the summary (last:
+        ``finished`` means all is written). Returns the row."""
+        row = self.metrics_row(
+            server_round, strategy.phase(server_round), accuracy, loss, eval_failures,
+            strategy.assignment, strategy.directory.connected, val_loss,
+        )
+        row.update(strategy.round_metrics(server_round))
+        self.recorder.log_round(row)
+        self.recorder.write_artifacts(self.round.artifacts)
+        if self.checkpoint_due(server_round):
+            checkpoint = {"round": server_round, "strategy": strategy.state_dict(), "log": self.state_dict()}
+            self.recorder.save_checkpoint(checkpoint)
+            self.recorder.write_artifacts(strategy.artifacts())
+        if self.finished(server_round):
+            self.recorder.plot(self.target_accuracy, self.title)
+            log(INFO, "results written to %s", self.recorder.run_dir)
+        summary = self.summary(server_round, strategy.name, strategy.assignment) | strategy.summary()
+        self.recorder.write_summary(summary)
+        return row
 
-    def restore(self, state: Mapping[str, Any], completed_round: int) -> None:
+    def wall_seconds(self) -> float:
+        return self._seconds_before + time.perf_counter() - self._started
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "totals": dict(self.totals),
+            "totals_by_phase": self.totals_by_phase,
+            "wall_seconds": self.wall_seconds(),
+            "best_validated": {p: list(v) for p, v in self.best_validated.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], completed_round: int) -> None:
+        """Continue the totals of ``state`` after ``completed_round``; later rows are dropped."""
         self.totals.update(state["totals"])
-        self.best_validated = {int(p): (v[0], v[1]) for p, v in state.get("best_validated", {}).items()}
+        self.totals_by_phase = {phase: dict(totals) for phase, totals in state["totals_by_phase"].items()}
+        self.best_validated = {int(p): (v[0], v[1]) for p, v in state["best_validated"].items()}
         self._seconds_before = float(state["wall_seconds"])
         self.recorder.resume(completed_round)
 
-    def announce_results(self) -> None:
-        log(INFO, "results written to %s", self.recorder.run_dir)
+
+def resume(strategy: ClusteredStrategy, checkpoint: Mapping[str, Any]) -> None:
+    """Continue ``strategy`` (freshly built from the run's config) from ``checkpoint``
+    (:func:`~fedcluster_flwr.results.load_checkpoint`): its state, the log's totals, and the
+    round numbering (Flower counts the remaining rounds from 1 again; ``round_offset`` maps them)."""
+    completed = int(checkpoint["round"])
+    strategy.load_state_dict(checkpoint["strategy"])
+    strategy.round_offset = completed
+    strategy.log.load_state_dict(checkpoint["log"], completed)

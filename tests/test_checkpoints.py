@@ -1,0 +1,53 @@
+"""A checkpoint is self-contained: every shipped strategy, stopped after some round and resumed
+from ``checkpoint/`` alone (its artifacts deleted), continues bit for bit as the uninterrupted
+run, in its rows and in its final ``state_dict()``. Stopping points fall inside each algorithm's
+phases (FL+HC clusters in round 4, one-shot HFL in round 2, PENS selects in rounds 2-4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import assert_same_state, rows_without_timing
+from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES
+
+from conftest import DEFAULT_CONFIG
+from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.results import load_checkpoint
+
+STOP_AFTER = {"oneshot_hfl": 1}  # inside the one-shot phase: eigen-summaries in, relevance rows not yet
+
+
+def case_config(case: str):
+    strategy = CASE_STRATEGY.get(case, case)
+    overrides = (*SETTINGS, f"strategy.name={strategy}", *STRATEGY_OVERRIDES[case])
+    return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
+
+
+@pytest.mark.parametrize("case", list(STRATEGY_OVERRIDES))
+def test_a_resumed_run_continues_bit_for_bit(case, tmp_path):
+    config = case_config(case)
+    whole = run_in_process(config, tmp_path / "whole")
+
+    stopped = tmp_path / "stopped"
+    run_in_process(config, stopped, stop_after=STOP_AFTER.get(case, 4))
+    for artifact in [*stopped.glob("*.npy"), *stopped.glob("*.png")]:
+        artifact.unlink()  # the checkpoint alone must carry the state
+    resumed = run_in_process(config, stopped, resume=True)
+
+    assert rows_without_timing(resumed.log.recorder.rows) == rows_without_timing(whole.log.recorder.rows)
+    assert_same_state(resumed.state_dict(), whole.state_dict())
+    assert_same_state(load_checkpoint(stopped), load_checkpoint(tmp_path / "whole"), skip=("wall_seconds",))
+
+
+def test_a_checkpoint_of_the_old_format_is_refused_with_the_reason(tmp_path):
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "state.json").write_text('{"round": 3, "strategy": "flhc"}')
+    np.savez(folder / "models.npz", round=np.asarray(3))
+    with pytest.raises(ValueError, match="checkpoint format 1; this version reads format 2"):
+        load_checkpoint(Path(tmp_path))
