@@ -106,18 +106,11 @@ def run_experiment(
 
 def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
     """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory."""
-    import torch
-
-    from .experiment import experiment_data, use_configured_numerics
-    from .training import cublas_workspace_problem
+    from .experiment import configure_torch, experiment_data
 
     if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
         raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
-    if config.client.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
-    if config.simulation.deterministic and (problem := cublas_workspace_problem()):
-        raise ConfigError("simulation.deterministic", problem)
-    use_configured_numerics(config)  # before this process's first torch operation; Ray workers inherit the pins
+    configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)
 
 
