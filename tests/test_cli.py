@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr import cli
+from fedcluster_flwr import cli, runner
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
 from fedcluster_flwr.schema import ConfigError
 
@@ -28,7 +28,7 @@ def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch
                 "bytes_down": 0, "wall_seconds": 1.0, "fit_failures": 0, "rejected_updates": 0,
                 "per_cluster_accuracy": {}, "target_accuracy": 0.9, "nmi": 1.0}
 
-    monkeypatch.setattr(cli, "run_experiment", fake_run)
+    monkeypatch.setattr(runner, "run_experiment", fake_run)
     code = cli.main(["compare", str(DEFAULT_CONFIG), "--strategies", "fedavg,oracle,flhc", "--out", str(tmp_path)])
     assert code == 0
     assert [c.strategy.name for c in seen] == ["fedavg", "oracle", "flhc"]
@@ -52,7 +52,7 @@ def finished_looking_run(run_dir, done=3):
 
 def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(cli, "run_experiment", lambda config, run_dir, **kw: calls.append((config, run_dir, kw)) or {})
+    monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: calls.append((config, run_dir, kw)) or {})
     monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
     base = finished_looking_run(tmp_path / "base")
     code = cli.main(["resume", str(base), "--out", str(tmp_path / "branch"), "--set", "strategy.threshold=7.5",
@@ -86,7 +86,7 @@ def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path,
     ],
 )
 def test_a_branch_that_cannot_continue_the_checkpoint_is_refused(tmp_path, monkeypatch, capsys, extra, phrase):
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base")
     args = [a.replace("NEW", str(tmp_path / "new")).replace("BASE", str(base)) for a in extra]
     assert cli.main(["resume", str(base), *args]) == 2
@@ -101,12 +101,12 @@ def test_stop_after_must_fall_before_the_last_round(tmp_path, capsys):
 
 def test_a_branch_cannot_change_what_the_run_already_acted_on(tmp_path, monkeypatch, capsys):
     """FL+HC's clusters came from its clustering options: once it clustered, a branch keeps them."""
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base", done=8)
     (base / "checkpoint" / "state.json").write_text(json.dumps({"round": 8, "clustered_at": 6}))
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.threshold=5"]) == 2
     assert "strategy.threshold: the run already acted on it by round 8" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: {})
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: {})
     monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.client_fraction=0.5"]) == 0
 
@@ -118,7 +118,7 @@ def test_a_bad_cublas_setting_is_reported_before_the_run(tmp_path, monkeypatch, 
 
 
 def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base", done=30)
     assert cli.main(["resume", str(base)]) == 2
     assert "--rounds: the checkpoint is at round 30 of 30; pass --rounds N > 30" in capsys.readouterr().err
@@ -145,6 +145,6 @@ def test_each_strategy_names_the_options_its_checkpoint_already_used(strategy, s
     after, _ = load_config(DEFAULT_CONFIG, base + [parse_override(change)])
     if refused:
         with pytest.raises(ConfigError, match=rf"{change.split('=')[0]}: the run already acted on it by round 4"):
-            cli.check_branch(before, after, state)
+            runner.check_branch(before, after, state)
     else:
-        cli.check_branch(before, after, state)
+        runner.check_branch(before, after, state)
