@@ -1,5 +1,6 @@
 """`fedcluster compare`, `run --stop-after` and `resume --out` (branches): orchestration and user
-mistakes (the runs themselves are covered end to end elsewhere)."""
+mistakes as the command line reports them (the runner's rules are tested directly in test_runner.py,
+the runs end to end in test_simulation.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import yaml
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import cli, runner
-from fedcluster_flwr.config import config_to_dict, load_config, parse_override
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config import config_to_dict
+from test_runner import finished_looking_run
 
 
 def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch):
@@ -36,18 +37,6 @@ def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch
     table = (tmp_path / "comparison.md").read_text()
     assert all(f"| {name} |" in table for name in ("fedavg", "oracle", "flhc"))
     assert (tmp_path / "comparison.png").stat().st_size > 0
-
-
-def finished_looking_run(run_dir, done=3):
-    """A run directory as `fedcluster run --stop-after 3` leaves it (checkpoint at round 3)."""
-    config, _ = load_config(DEFAULT_CONFIG, [])
-    (run_dir / "checkpoint").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    (run_dir / "checkpoint" / "state.json").write_text(json.dumps({"round": done}))
-    (run_dir / "checkpoint" / "models.npz").write_bytes(b"models")
-    (run_dir / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, done + 1)))
-    (run_dir / "accuracy.png").write_bytes(b"png")
-    return run_dir
 
 
 def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path, monkeypatch):
@@ -124,27 +113,3 @@ def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, cap
     assert "--rounds: the checkpoint is at round 30 of 30; pass --rounds N > 30" in capsys.readouterr().err
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "rounds=30"]) == 2
     assert "error: rounds: the checkpoint is at round 30 of 30" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("strategy", "state", "change", "refused"),
-    [
-        ("ifca", {"round": 4}, "strategy.num_clusters=2", True),  # the K models exist from round 1
-        ("ifca", {"round": 4}, "strategy.client_fraction=0.5", False),
-        ("oneshot_hfl", {"round": 4, "clustered": True}, "strategy.num_eigenvectors=3", True),
-        ("oneshot_hfl", {"round": 1, "clustered": False}, "strategy.num_eigenvectors=3", False),
-        ("flhc", {"round": 4, "clustered_at": None}, "strategy.threshold=5", False),  # not clustered yet
-        ("dac", {"round": 4}, "strategy.tau=5", False),
-    ],
-)
-def test_each_strategy_names_the_options_its_checkpoint_already_used(strategy, state, change, refused):
-    base = [("strategy.name", strategy), ("strategy.threshold", None), ("strategy.num_clusters", 4)]
-    if strategy == "flhc":
-        base = [("strategy.threshold", 20.0)]
-    before, _ = load_config(DEFAULT_CONFIG, base)
-    after, _ = load_config(DEFAULT_CONFIG, base + [parse_override(change)])
-    if refused:
-        with pytest.raises(ConfigError, match=rf"{change.split('=')[0]}: the run already acted on it by round 4"):
-            runner.check_branch(before, after, state)
-    else:
-        runner.check_branch(before, after, state)
