@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcluster_flwr.cli import run_experiment
 from fedcluster_flwr.config import ExperimentConfig
 from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.runner import run_experiment
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -38,7 +38,7 @@ def run_or_reuse(config: ExperimentConfig, run_dir: Path, engine: str = "ray") -
         run_in_process(config, run_dir)
         summary = finished_summary(run_dir)
     else:
-        summary = run_experiment(config, run_dir, progress=False)
+        summary = run_experiment(config, run_dir)
     print(f"{run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
     return summary
 

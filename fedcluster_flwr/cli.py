@@ -6,152 +6,53 @@
     fedcluster resume RUN_DIR [--rounds N] [--out NEW_DIR --set KEY=VALUE...]
     fedcluster plot RUN_DIR... [--out FILE]
 
-User mistakes (bad config, missing data) print one ``error:`` line and exit with 2.
+This module parses the command line and prints; :mod:`fedcluster_flwr.runner` runs, resumes and
+branches. User mistakes (bad config, missing data) print one ``error:`` line and exit with 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from .config import ExperimentConfig, config_to_dict, load_config, parse_override
+from . import runner
+from .config import ExperimentConfig, load_config, parse_override
 from .data import DataError
-from .results import RoundRow, atomic_write, branch_run, plot_comparison, run_dir_name
-from .schema import ConfigError, require
+from .results import RoundRow, plot_comparison, run_dir_name
+from .schema import ConfigError
 
 EXIT_USER_ERROR = 2
 
 
-class RunFailed(RuntimeError):
-    """The simulation ended without finishing all rounds."""
+class ConsoleProgress:
+    """What ``fedcluster`` shows of a running run: a line naming it, then (``bar``; not with
+    ``--no-progress``) a bar of its rounds with the mean client accuracy and the cluster count."""
 
+    def __init__(self, bar: bool) -> None:
+        self.show_bar = bar
+        self._tqdm = None
 
-def run_experiment(
-    config: ExperimentConfig,
-    run_dir: Path,
-    *,
-    progress: bool = True,
-    verbose: bool = False,
-    announce: bool = False,
-    resume_from: int = 0,
-    stop_after: int | None = None,
-) -> dict[str, Any]:
-    """Run one experiment in-process on Flower's Ray simulation engine; return its summary.
+    def start(self, config: ExperimentConfig, run_dir: Path, completed_round: int, last_round: int) -> None:
+        from tqdm import tqdm
 
-    ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round;
-    ``stop_after`` stops it, checkpointed, after that round (before ``config.rounds``).
-    """
-    from flwr.clientapp import ClientApp
-    from flwr.simulation import run_simulation
-    from tqdm import tqdm
-
-    from .client_app import make_client_fn
-    from .server_app import make_server_app
-
-    if stop_after is not None:
-        require(
-            resume_from < stop_after < config.rounds,
-            "--stop-after",
-            f"must lie after round {resume_from} and before the last round ({config.rounds}), got {stop_after}",
-        )
-    preflight(config, run_dir, resuming=resume_from > 0)
-    if announce:
         from .experiment import run_title
 
-        stopping = "" if stop_after is None else f", stopping after round {stop_after}"
+        stopping = "" if last_round == config.rounds else f", stopping after round {last_round}"
         print(f"fedcluster: {run_title(config)}, {config.rounds} rounds{stopping} -> {run_dir}", flush=True)
-    last_round = config.rounds if stop_after is None else stop_after
-    bar = tqdm(total=last_round, initial=resume_from, desc=config.strategy.name, unit="round", disable=not progress)
+        self._tqdm = tqdm(total=last_round, initial=completed_round, desc=config.strategy.name, unit="round",
+                         disable=not self.show_bar)
 
-    def on_round(row: RoundRow) -> None:
+    def round_done(self, row: RoundRow) -> None:
         accuracy = row["mean_client_accuracy"]
         postfix = {"acc": "n/a" if accuracy is None else f"{accuracy:.3f}", "clusters": row["num_clusters"]}
-        bar.set_postfix(postfix, refresh=False)
-        bar.update(1)
+        self._tqdm.set_postfix(postfix, refresh=False)
+        self._tqdm.update(1)
 
-    backend_config = {
-        "client_resources": {
-            "num_cpus": config.simulation.num_cpus_per_client,
-            "num_gpus": config.simulation.num_gpus_per_client,
-        },
-        "init_args": {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose},
-    }
-    with _quiet(verbose):
-        run_simulation(
-            server_app=make_server_app(config, run_dir, on_round, resume=resume_from > 0, stop_after=stop_after),
-            client_app=ClientApp(client_fn=make_client_fn(config)),
-            num_supernodes=config.partition.num_clients,
-            backend_config=backend_config,
-            verbose_logging=verbose,
-        )
-    bar.close()
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    done = summary["completed_rounds"] if summary else 0
-    if done != last_round:
-        raise RunFailed(
-            f"the run stopped after {done} of {last_round} rounds; partial results in {run_dir} "
-            f"(rerun with --verbose for Flower's and Ray's logs)"
-        )
-    return summary
-
-
-def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
-    """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory."""
-    import torch
-
-    from .experiment import experiment_data, use_configured_numerics
-    from .training import cublas_workspace_problem
-
-    if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
-        raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
-    if config.client.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
-    if config.simulation.deterministic and (problem := cublas_workspace_problem()):
-        raise ConfigError("simulation.deterministic", problem)
-    use_configured_numerics(config)  # before this process's first torch operation; Ray workers inherit the pins
-    experiment_data(config)
-
-
-class _quiet:
-    """Keep Flower's per-round INFO logs and known-harmless notices off the progress bar.
-
-    ``run_simulation`` is deprecated in favour of ``flwr run`` but is the supported
-    way to run a simulation in-process; the notice and Ray's accelerator tip are
-    dropped unless ``--verbose``.
-    """
-
-    def __init__(self, verbose: bool) -> None:
-        self.verbose = verbose
-        self._filter = _DropDeprecationNotice()
-
-    def __enter__(self) -> None:
-        from flwr.common.logger import FLOWER_LOGGER
-
-        self._level = FLOWER_LOGGER.level
-        if not self.verbose:
-            FLOWER_LOGGER.setLevel(logging.WARNING)
-            FLOWER_LOGGER.addFilter(self._filter)
-            warnings.filterwarnings("ignore", message=".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO.*")
-
-    def __exit__(self, *exc: object) -> None:
-        from flwr.common.logger import FLOWER_LOGGER
-
-        FLOWER_LOGGER.setLevel(self._level)
-        FLOWER_LOGGER.removeFilter(self._filter)
-
-
-class _DropDeprecationNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "DEPRECATED FEATURE" not in record.getMessage()
+    def close(self) -> None:
+        self._tqdm.close()
 
 
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
@@ -188,9 +89,13 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
 
 def _load(args: argparse.Namespace) -> ExperimentConfig:
     config, notes = load_config(args.config, [parse_override(item) for item in args.set])
+    _print_notes(notes)
+    return config
+
+
+def _print_notes(notes: Sequence[str]) -> None:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    return config
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -199,10 +104,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         config.strategy.name, config.dataset.name, config.partition.name
     )
     run_dir = run_dir.resolve()
-    summary = run_experiment(
-        config, run_dir, progress=not args.no_progress, verbose=args.verbose, announce=True,
-        stop_after=args.stop_after,
-    )
+    progress = ConsoleProgress(bar=not args.no_progress)
+    summary = runner.run_experiment(config, run_dir, progress=progress, verbose=args.verbose, stop_after=args.stop_after)
     if args.stop_after is not None:
         print(
             f"stopped after round {args.stop_after} of {config.rounds}, checkpointed in {run_dir}\n"
@@ -214,103 +117,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-# What produced a checkpoint; a branch that changed one of these would continue a run that never happened.
-BRANCH_FIXED = ("dataset", "partition", "model", "client", "seed")
-
-
-def first_difference(before: Any, after: Any, key: str) -> str | None:
-    """The dotted key of the first value that differs between two resolved config trees."""
-    if isinstance(before, dict) and isinstance(after, dict):
-        for name in sorted(set(before) | set(after)):
-            found = first_difference(before.get(name), after.get(name), f"{key}.{name}")
-            if found:
-                return found
-        return None
-    return None if before == after else key
-
-
-def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[str, Any]) -> None:
-    """Refuse a branch that changes what produced the checkpoint: the experiment (data, model,
-    training, seed), the strategy, or a strategy option the run already acted on."""
-    from .strategies import STRATEGIES
-
-    old, new = config_to_dict(before), config_to_dict(after)
-    for section in BRANCH_FIXED:
-        changed = first_difference(old[section], new[section], section)
-        require(
-            changed is None,
-            changed or section,
-            "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
-            f"({', '.join(BRANCH_FIXED)}, strategy.name); start a new run instead",
-        )
-    require(before.strategy.name == after.strategy.name, "strategy.name",
-            f"a branch continues the {before.strategy.name} checkpoint of RUN_DIR; start a new run for another strategy")
-    for option in STRATEGIES[before.strategy.name].options_fixed_by(state["strategy"]):
-        require(
-            getattr(before.strategy.options, option) == getattr(after.strategy.options, option),
-            f"strategy.{option}",
-            f"the run already acted on it by round {state['round']} (the checkpoint); branch from an earlier "
-            "checkpoint (fedcluster run --stop-after N) to vary it",
-        )
-
-
 def cmd_resume(args: argparse.Namespace) -> int:
     """Continue a run from its checkpoint (to its configured rounds, or to --rounds); with --out,
     continue a copy of it instead (a branch), optionally with changed options (--set)."""
-    summary, run_dir = continue_run(
-        Path(args.run_dir), out=Path(args.out) if args.out else None, overrides=args.set, rounds=args.rounds,
-        progress=not args.no_progress, verbose=args.verbose,
+    continuation = runner.plan_continuation(
+        Path(args.run_dir), out=Path(args.out) if args.out else None, overrides=args.set, rounds=args.rounds
     )
-    print(format_summary(summary, run_dir))
+    _print_notes(continuation.notes)
+    progress = ConsoleProgress(bar=not args.no_progress)
+    summary = runner.continue_run(continuation, progress=progress, verbose=args.verbose)
+    print(format_summary(summary, continuation.run_dir))
     return 0
-
-
-def continue_run(
-    run_dir: Path,
-    *,
-    out: Path | None = None,
-    overrides: Sequence[str] = (),
-    rounds: int | None = None,
-    progress: bool = True,
-    verbose: bool = False,
-) -> tuple[dict[str, Any], Path]:
-    """Resume ``run_dir`` from its checkpoint, or, with ``out``, a branch of it there with
-    ``overrides`` (``KEY=VALUE``) applied; return the summary and the directory that ran."""
-    run_dir = run_dir.resolve()
-    checkpoint = run_dir / "checkpoint" / "state.json"
-    if not checkpoint.is_file():
-        raise ConfigError("RUN_DIR", f"{run_dir} has no checkpoint/state.json to resume from")
-    state = json.loads(checkpoint.read_text())
-    done = int(state["round"])
-    parsed = [parse_override(item) for item in overrides]
-    require(
-        not parsed or out is not None,
-        "--set",
-        "changed options need --out NEW_DIR: RUN_DIR keeps the run as it ran and the changed continuation is a branch of it",
-    )
-    require(rounds is None or rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")
-    before, _ = load_config(run_dir / "config.yaml", [])
-    config, notes = load_config(run_dir / "config.yaml", parsed + ([("rounds", rounds)] if rounds else []))
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    check_branch(before, config, state)
-    if config.rounds <= done:
-        raise ConfigError(
-            "rounds" if any(key == "rounds" for key, _ in parsed) and not rounds else "--rounds",
-            f"the checkpoint is at round {done} of {config.rounds}; pass --rounds N > {done} to extend",
-        )
-    if out is not None:
-        target = out.resolve()
-        preflight(config, target, resuming=True)  # a missing dataset is reported before anything is copied
-        try:
-            branch_run(run_dir, target, config_to_dict(config), done, overrides)
-        except FileExistsError as err:
-            raise ConfigError("--out", str(err)) from None
-        run_dir = target
-    elif rounds:
-        atomic_write(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    summary = run_experiment(config, run_dir, progress=progress, verbose=verbose, announce=True, resume_from=done)
-    return summary, run_dir
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -328,7 +145,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = []
     for name, config in configs.items():
         print(f"fedcluster compare: {name} ({names.index(name) + 1}/{len(names)})")
-        summary = run_experiment(config, out / name, progress=not args.no_progress, verbose=args.verbose, announce=True)
+        progress = ConsoleProgress(bar=not args.no_progress)
+        summary = runner.run_experiment(config, out / name, progress=progress, verbose=args.verbose)
         print(format_summary(summary, out / name))
         rows.append((name, summary))
     table = comparison_table(rows)
@@ -414,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except RunFailed as err:
+    except runner.RunFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -102,6 +102,26 @@ def use_configured_numerics(config: ExperimentConfig) -> None:
             raise ConfigError("simulation.portable_numerics", str(err)) from None
 
 
+def configure_torch(config: ExperimentConfig) -> None:
+    """Set up this process's torch as ``config`` asks, or refuse what this machine cannot honour:
+    ``simulation.portable_numerics``, ``client.device`` and ``simulation.deterministic``.
+
+    The switches are per process, so each process calls it: :func:`make_client` in every client's
+    (under ``flwr run`` the first to read the config), and ``fedcluster run`` in its driver before
+    Ray starts, so that a mistake is one error line before any worker and the workers inherit the
+    environment pins (the driver's own torch work then follows the clients' rules, as it does when
+    the in-process driver builds the clients).
+    """
+    use_configured_numerics(config)  # first: the pins must precede this process's first torch operation
+    if config.client.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
+    if config.simulation.deterministic:
+        try:
+            use_deterministic_kernels()
+        except ValueError as err:
+            raise ConfigError("simulation.deterministic", str(err)) from None
+
+
 def model_factory(config: ExperimentConfig) -> Callable[[], torch.nn.Module]:
     return functools.partial(build_model, config.model.name, config.input_shape, config.num_classes)
 
@@ -175,7 +195,7 @@ def server_components(
 
 def make_client(config: ExperimentConfig, pid: int, num_partitions: int) -> ClusterClient:
     """The NumPyClient of partition ``pid``."""
-    use_configured_numerics(config)  # before the client's data become tensors
+    configure_torch(config)  # before the client's data become tensors
     if not 0 <= pid < config.partition.num_clients:
         raise ValueError(
             f"partition-id {pid} is outside 0..{config.partition.num_clients - 1} (partition.num_clients)"
@@ -186,14 +206,7 @@ def make_client(config: ExperimentConfig, pid: int, num_partitions: int) -> Clus
     x_test, y_test = pool.tensors(partition.test_indices[pid], transform)
     validation = pool.tensors(partition.val_indices[pid], transform) if partition.val_indices else (None, None)
     client = config.client
-    if client.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
     use_cuda = client.device == "cuda" or (client.device == "auto" and torch.cuda.is_available())
-    if config.simulation.deterministic:
-        try:
-            use_deterministic_kernels()
-        except ValueError as err:
-            raise ConfigError("simulation.deterministic", str(err)) from None
     return ClusterClient(
         pid=pid,
         num_partitions=num_partitions,

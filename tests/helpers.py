@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
+
+from conftest import DEFAULT_CONFIG
+from fedcluster_flwr.config import config_to_dict, load_config
 
 
 def rows_without_timing(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -34,3 +40,16 @@ def assert_same_state(got: Any, expected: Any, path: str = "state", skip: Sequen
         assert isinstance(got, float) and np.isnan(got), f"{path}: {got!r}, expected NaN"
     else:
         assert got == expected, f"{path}: {got!r} != {expected!r}"
+
+
+def finished_looking_run(run_dir: Path, done: int = 3) -> Path:
+    """A run directory as `fedcluster run --stop-after 3` leaves it (checkpoint at round ``done``),
+    with placeholder files where only their presence matters."""
+    config, _ = load_config(DEFAULT_CONFIG, [])
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    (run_dir / "checkpoint" / "state.json").write_text(json.dumps({"format": 2, "round": done, "strategy": {}}))
+    (run_dir / "checkpoint" / "models.npz").write_bytes(b"models")
+    (run_dir / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, done + 1)))
+    (run_dir / "accuracy.png").write_bytes(b"png")
+    return run_dir

@@ -1,5 +1,6 @@
 """`fedcluster compare`, `run --stop-after` and `resume --out` (branches): orchestration and user
-mistakes (the runs themselves are covered end to end elsewhere)."""
+mistakes as the command line reports them (the runner's rules are tested directly in test_runner.py,
+the runs end to end in test_simulation.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 import yaml
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr import cli
-from fedcluster_flwr.config import config_to_dict, load_config, parse_override
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr import cli, runner
+from fedcluster_flwr.config import config_to_dict
+from helpers import finished_looking_run
 
 
 def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch):
@@ -28,7 +29,7 @@ def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch
                 "bytes_down": 0, "wall_seconds": 1.0, "fit_failures": 0, "rejected_updates": 0,
                 "per_cluster_accuracy": {}, "target_accuracy": 0.9, "nmi": 1.0}
 
-    monkeypatch.setattr(cli, "run_experiment", fake_run)
+    monkeypatch.setattr(runner, "run_experiment", fake_run)
     code = cli.main(["compare", str(DEFAULT_CONFIG), "--strategies", "fedavg,oracle,flhc", "--out", str(tmp_path)])
     assert code == 0
     assert [c.strategy.name for c in seen] == ["fedavg", "oracle", "flhc"]
@@ -38,21 +39,9 @@ def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch
     assert (tmp_path / "comparison.png").stat().st_size > 0
 
 
-def finished_looking_run(run_dir, done=3):
-    """A run directory as `fedcluster run --stop-after 3` leaves it (checkpoint at round 3)."""
-    config, _ = load_config(DEFAULT_CONFIG, [])
-    (run_dir / "checkpoint").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    (run_dir / "checkpoint" / "state.json").write_text(json.dumps({"format": 2, "round": done, "strategy": {}}))
-    (run_dir / "checkpoint" / "models.npz").write_bytes(b"models")
-    (run_dir / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, done + 1)))
-    (run_dir / "accuracy.png").write_bytes(b"png")
-    return run_dir
-
-
 def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(cli, "run_experiment", lambda config, run_dir, **kw: calls.append((config, run_dir, kw)) or {})
+    monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: calls.append((config, run_dir, kw)) or {})
     monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
     base = finished_looking_run(tmp_path / "base")
     code = cli.main(["resume", str(base), "--out", str(tmp_path / "branch"), "--set", "strategy.threshold=7.5",
@@ -86,7 +75,7 @@ def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path,
     ],
 )
 def test_a_branch_that_cannot_continue_the_checkpoint_is_refused(tmp_path, monkeypatch, capsys, extra, phrase):
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base")
     args = [a.replace("NEW", str(tmp_path / "new")).replace("BASE", str(base)) for a in extra]
     assert cli.main(["resume", str(base), *args]) == 2
@@ -101,12 +90,12 @@ def test_stop_after_must_fall_before_the_last_round(tmp_path, capsys):
 
 def test_a_branch_cannot_change_what_the_run_already_acted_on(tmp_path, monkeypatch, capsys):
     """FL+HC's clusters came from its clustering options: once it clustered, a branch keeps them."""
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base", done=8)
     (base / "checkpoint" / "state.json").write_text(json.dumps({"format": 2, "round": 8, "strategy": {"clustering": {"round": 6}}}))
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.threshold=5"]) == 2
     assert "strategy.threshold: the run already acted on it by round 8" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: {})
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: {})
     monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.client_fraction=0.5"]) == 0
 
@@ -118,33 +107,9 @@ def test_a_bad_cublas_setting_is_reported_before_the_run(tmp_path, monkeypatch, 
 
 
 def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base", done=30)
     assert cli.main(["resume", str(base)]) == 2
     assert "--rounds: the checkpoint is at round 30 of 30; pass --rounds N > 30" in capsys.readouterr().err
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "rounds=30"]) == 2
     assert "error: rounds: the checkpoint is at round 30 of 30" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("strategy", "state", "change", "refused"),
-    [
-        ("ifca", {}, "strategy.num_clusters=2", True),  # the K models exist from round 1
-        ("ifca", {}, "strategy.client_fraction=0.5", False),
-        ("oneshot_hfl", {"clustered": True}, "strategy.num_eigenvectors=3", True),
-        ("oneshot_hfl", {"clustered": False}, "strategy.num_eigenvectors=3", False),
-        ("flhc", {"clustering": None}, "strategy.threshold=5", False),  # not clustered yet
-        ("dac", {}, "strategy.tau=5", False),
-    ],
-)
-def test_each_strategy_names_the_options_its_checkpoint_already_used(strategy, state, change, refused):
-    base = [("strategy.name", strategy), ("strategy.threshold", None), ("strategy.num_clusters", 4)]
-    if strategy == "flhc":
-        base = [("strategy.threshold", 20.0)]
-    before, _ = load_config(DEFAULT_CONFIG, base)
-    after, _ = load_config(DEFAULT_CONFIG, base + [parse_override(change)])
-    if refused:
-        with pytest.raises(ConfigError, match=rf"{change.split('=')[0]}: the run already acted on it by round 4"):
-            cli.check_branch(before, after, {"round": 4, "strategy": state})
-    else:
-        cli.check_branch(before, after, {"round": 4, "strategy": state})

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.cli import continue_run, run_experiment
+from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.numerics import is_portable
 from fedcluster_flwr.results import read_rounds
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def run(tmp_path, name, *overrides):
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=20", *overrides)])
-    return run_experiment(config, tmp_path / name, progress=False), tmp_path / name
+    return run_experiment(config, tmp_path / name), tmp_path / name
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -125,11 +125,11 @@ def test_branches_of_a_stopped_run_share_its_rounds(tmp_path):
     from the same rounds 1-2."""
     settings = [parse_override(o) for o in ("rounds=5", "strategy.rounds_before_clustering=2")]
     config, _ = load_config(DEFAULT_CONFIG, settings)
-    run_experiment(config, tmp_path / "whole", progress=False)
-    stopped = run_experiment(config, tmp_path / "base", progress=False, stop_after=2)
+    run_experiment(config, tmp_path / "whole")
+    stopped = run_experiment(config, tmp_path / "base", stop_after=2)
     assert not stopped["finished"] and stopped["completed_rounds"] == 2
-    continue_run(tmp_path / "base", out=tmp_path / "same", progress=False)
-    split, _ = continue_run(tmp_path / "base", out=tmp_path / "alone", overrides=["strategy.threshold=1e-6"], progress=False)
+    continue_run(plan_continuation(tmp_path / "base", out=tmp_path / "same"))
+    split = continue_run(plan_continuation(tmp_path / "base", out=tmp_path / "alone", overrides=["strategy.threshold=1e-6"]))
 
     def metrics(name):
         return [(r["round"], r["phase"], r["mean_client_accuracy"], r["num_clusters"], r["client_accuracy"])
@@ -212,7 +212,7 @@ def test_the_in_process_driver_reproduces_the_ray_engine_bit_for_bit(tmp_path):
 
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*SETTINGS, "strategy.name=flhc")])
     in_process = run_in_process(config, tmp_path / "in_process")
-    run_experiment(config, tmp_path / "ray", progress=False)
+    run_experiment(config, tmp_path / "ray")
     ray_rows = read_rounds(tmp_path / "ray")
     assert len(ray_rows) == len(in_process.setup.recorder.rows) == config.rounds
     for ours, theirs in zip(in_process.setup.recorder.rows, ray_rows, strict=True):

@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import value_at  # noqa: E402
 
-from fedcluster_flwr.cli import run_experiment  # noqa: E402
 from fedcluster_flwr.config import config_to_dict, load_config  # noqa: E402
 from fedcluster_flwr.results import plot_comparison, read_rounds  # noqa: E402
+from fedcluster_flwr.runner import run_experiment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def main() -> None:
             shutil.rmtree(run_dir, ignore_errors=True)  # this benchmark's own earlier output
             started = time.perf_counter()
             print(f"[{setting}] {strategy}: {config.rounds} rounds -> {run_dir}", flush=True)
-            summary = run_experiment(config, run_dir, progress=False)
+            summary = run_experiment(config, run_dir)
             runs[strategy] = (config, summary, read_rounds(run_dir), (time.perf_counter() - started) / 60, run_dir)
             if strategy == "fedavg":
                 fedavg_runs[key] = runs[strategy]

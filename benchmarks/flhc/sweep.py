@@ -43,11 +43,11 @@ from scipy.cluster import hierarchy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import finished_summary, run_or_reuse, value_at  # noqa: E402
 
-from fedcluster_flwr.cli import continue_run, run_experiment  # noqa: E402
 from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noqa: E402
 from fedcluster_flwr.config import ExperimentConfig, config_to_dict, load_config, parse_override  # noqa: E402
 from fedcluster_flwr.schema import ConfigError  # noqa: E402
 from fedcluster_flwr.results import read_rounds  # noqa: E402
+from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment  # noqa: E402
 
 BASE, PROBE = "base", "probe"
 
@@ -62,7 +62,8 @@ def run_base(config: ExperimentConfig, out: Path, shared_rounds: int) -> Path:
     settings aside: where it ran) stopped there."""
     base = out / BASE
     if not base.exists():
-        run_experiment(config, base, progress=False, announce=True, stop_after=shared_rounds)
+        print(f"shared rounds 1..{shared_rounds} of {config.rounds} -> {base}", flush=True)
+        run_experiment(config, base, stop_after=shared_rounds)
         return base
     made_with, _ = load_config(base / "config.yaml", [])
 
@@ -84,7 +85,7 @@ def branch(base: Path, target: Path, overrides: list[str], rounds: int | None = 
     if target.exists():
         raise SystemExit(f"{target} holds an unfinished branch; delete it and run the sweep again")
     started = time.perf_counter()
-    summary, _ = continue_run(base, out=target, overrides=overrides, rounds=rounds, progress=False)
+    summary = continue_run(plan_continuation(base, out=target, overrides=overrides, rounds=rounds))
     seconds = time.perf_counter() - started
     (target / "timing.json").write_text(json.dumps({"seconds": seconds, "machine": machine()}) + "\n")
     return summary, seconds

@@ -41,7 +41,7 @@ from logging import INFO, WARNING
 from typing import Any, Literal
 
 import numpy as np
-from flwr.common import NDArrays, Scalar, log
+from flwr.common import Scalar, log
 
 from .. import protocol
 from ..aggregation import average_layers

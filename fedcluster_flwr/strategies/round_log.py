@@ -205,9 +205,6 @@ class RoundLog:
             "numeric_platform": self.numeric_platform,
         }
 
-    def wall_seconds(self) -> float:
-        return self._seconds_before + time.perf_counter() - self._started
-
     def end_round(
         self,
         strategy: ClusteredStrategy,

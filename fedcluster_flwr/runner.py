@@ -1,0 +1,275 @@
+"""Run experiments in this process on Flower's Ray simulation engine: fresh runs, resumes, branches.
+
+The life of a run directory:
+
+- A fresh run (:func:`run_experiment`) starts in a new or empty directory and writes its resolved
+  ``config.yaml``, a ``rounds.jsonl`` row per round, checkpoints (``checkpoint/``, at the end and
+  every ``checkpoint_every`` rounds) and ``summary.json``.
+- With ``stop_after=N`` it ends after round N, before ``config.rounds``, checkpointed there: a
+  prefix to resume or branch from later, e.g. the rounds every branch of a threshold sweep shares.
+- A resume continues the run in its own directory from its checkpoint, to its configured rounds
+  or, given ``rounds``, further (its ``config.yaml`` then records the new count).
+- A branch copies the run at its checkpoint into a new directory (``branch.json`` says from where)
+  and continues the copy, optionally with changed options; the source stays as it ran. A branch
+  may change how the run goes on, never what produced the checkpoint: ``dataset``, ``partition``,
+  ``model``, ``client``, ``seed`` and ``strategy.name`` are fixed, and so is every strategy option
+  the run has already acted on (its strategy's ``options_fixed_by``, e.g. FL+HC's clustering
+  options once it has clustered).
+
+Resumes and branches are checked first (:func:`plan_continuation`, no side effects), then run
+(:func:`continue_run`). User mistakes raise :class:`ConfigError` naming the key or flag before
+Ray starts; a simulation that ends early raises :class:`RunFailed`. Nothing here prints: a caller
+watches a run through a :class:`RunProgress` (the CLI's shows a progress bar).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from .config import ExperimentConfig, config_to_dict, load_config, parse_override
+from .results import RoundRow, atomic_write, branch_run
+from .schema import ConfigError, require
+
+
+class RunFailed(RuntimeError):
+    """The simulation ended without finishing all rounds."""
+
+
+class RunProgress(Protocol):
+    """What a caller sees of a run while it runs."""
+
+    def start(self, config: ExperimentConfig, run_dir: Path, completed_round: int, last_round: int) -> None:
+        """The run passed its preflight; rounds ``completed_round + 1 .. last_round`` follow."""
+
+    def round_done(self, row: RoundRow) -> None:
+        """A round ended; ``row`` is what ``rounds.jsonl`` records of it."""
+
+    def close(self) -> None:
+        """The simulation ended, finished or not."""
+
+
+def run_experiment(
+    config: ExperimentConfig,
+    run_dir: Path,
+    *,
+    progress: RunProgress | None = None,
+    verbose: bool = False,
+    resume_from: int = 0,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Run one experiment in-process on Flower's Ray simulation engine; return its summary.
+
+    ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round;
+    ``stop_after`` stops it, checkpointed, after that round (before ``config.rounds``);
+    ``verbose`` lets Flower's and Ray's logs through.
+    """
+    from flwr.clientapp import ClientApp
+    from flwr.simulation import run_simulation
+
+    from .client_app import make_client_fn
+    from .server_app import make_server_app
+
+    if stop_after is not None:
+        require(
+            resume_from < stop_after < config.rounds,
+            "--stop-after",
+            f"must lie after round {resume_from} and before the last round ({config.rounds}), got {stop_after}",
+        )
+    preflight(config, run_dir, resuming=resume_from > 0)
+    last_round = config.rounds if stop_after is None else stop_after
+    backend_config = {
+        "client_resources": {
+            "num_cpus": config.simulation.num_cpus_per_client,
+            "num_gpus": config.simulation.num_gpus_per_client,
+        },
+        "init_args": {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose},
+    }
+    if progress is not None:
+        progress.start(config, run_dir, resume_from, last_round)
+    try:
+        with _quiet(verbose):
+            run_simulation(
+                server_app=make_server_app(
+                    config, run_dir, progress.round_done if progress else None,
+                    resume=resume_from > 0, stop_after=stop_after,
+                ),
+                client_app=ClientApp(client_fn=make_client_fn(config)),
+                num_supernodes=config.partition.num_clients,
+                backend_config=backend_config,
+                verbose_logging=verbose,
+            )
+    finally:
+        if progress is not None:
+            progress.close()
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    done = summary["completed_rounds"] if summary else 0
+    if done != last_round:
+        raise RunFailed(
+            f"the run stopped after {done} of {last_round} rounds; partial results in {run_dir} "
+            f"(rerun with --verbose for Flower's and Ray's logs)"
+        )
+    return summary
+
+
+def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
+    """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory."""
+    from .experiment import configure_torch, experiment_data
+
+    if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
+        raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
+    configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
+    experiment_data(config)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A checked resume or branch of a run, ready for :func:`continue_run`."""
+
+    source: Path  # the run whose checkpoint it continues
+    is_branch: bool  # given ``out``: it continues a copy of ``source`` (a resume continues ``source``)
+    run_dir: Path  # where it runs: ``source`` for a resume, ``out`` for a branch
+    config: ExperimentConfig  # the source's, with the overrides and the new round count applied
+    completed_round: int  # the checkpoint's
+    overrides: tuple[str, ...]  # as given (KEY=VALUE), recorded in a branch's branch.json
+    notes: tuple[str, ...]  # the config's notes on ignored keys, for the caller to show
+    extended: bool  # given a round count: a resume rewrites its config.yaml with it
+
+
+def plan_continuation(
+    run_dir: Path, *, out: Path | None = None, overrides: Sequence[str] = (), rounds: int | None = None
+) -> Continuation:
+    """Check a resume of ``run_dir`` from its checkpoint (to ``rounds`` if given) or, with ``out``,
+    a branch of it there with ``overrides`` (``KEY=VALUE``) applied; changes nothing on disk."""
+    run_dir = run_dir.resolve()
+    checkpoint = run_dir / "checkpoint" / "state.json"
+    if not checkpoint.is_file():
+        raise ConfigError("RUN_DIR", f"{run_dir} has no checkpoint/state.json to resume from")
+    state = json.loads(checkpoint.read_text())
+    done = int(state["round"])
+    parsed = [parse_override(item) for item in overrides]
+    require(
+        not parsed or out is not None,
+        "--set",
+        "changed options need --out NEW_DIR: RUN_DIR keeps the run as it ran and the changed continuation is a branch of it",
+    )
+    require(rounds is None or rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")
+    before, _ = load_config(run_dir / "config.yaml", [])
+    config, notes = load_config(run_dir / "config.yaml", parsed + ([("rounds", rounds)] if rounds else []))
+    check_branch(before, config, state)
+    if config.rounds <= done:
+        raise ConfigError(
+            "rounds" if any(key == "rounds" for key, _ in parsed) and not rounds else "--rounds",
+            f"the checkpoint is at round {done} of {config.rounds}; pass --rounds N > {done} to extend",
+        )
+    return Continuation(
+        source=run_dir,
+        is_branch=out is not None,
+        run_dir=run_dir if out is None else out.resolve(),
+        config=config,
+        completed_round=done,
+        overrides=tuple(overrides),
+        notes=tuple(notes),
+        extended=bool(rounds),
+    )
+
+
+def continue_run(
+    continuation: Continuation, *, progress: RunProgress | None = None, verbose: bool = False
+) -> dict[str, Any]:
+    """Run a checked resume or branch to its last round (a branch first copies its source into
+    its own directory); return its summary."""
+    config, run_dir = continuation.config, continuation.run_dir
+    if continuation.is_branch:
+        preflight(config, run_dir, resuming=True)  # a missing dataset is reported before anything is copied
+        try:
+            branch_run(continuation.source, run_dir, config_to_dict(config), continuation.completed_round,
+                       continuation.overrides)
+        except FileExistsError as err:
+            raise ConfigError("--out", str(err)) from None
+    elif continuation.extended:
+        atomic_write(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    return run_experiment(
+        config, run_dir, progress=progress, verbose=verbose, resume_from=continuation.completed_round
+    )
+
+
+# What produced a checkpoint; a branch that changed one of these would continue a run that never happened.
+BRANCH_FIXED = ("dataset", "partition", "model", "client", "seed")
+
+
+def first_difference(before: Any, after: Any, key: str) -> str | None:
+    """The dotted key of the first value that differs between two resolved config trees."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        for name in sorted(set(before) | set(after)):
+            found = first_difference(before.get(name), after.get(name), f"{key}.{name}")
+            if found:
+                return found
+        return None
+    return None if before == after else key
+
+
+def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[str, Any]) -> None:
+    """Refuse a branch that changes what produced the checkpoint: the experiment (data, model,
+    training, seed), the strategy, or a strategy option the run already acted on."""
+    from .strategies import STRATEGIES
+
+    old, new = config_to_dict(before), config_to_dict(after)
+    for section in BRANCH_FIXED:
+        changed = first_difference(old[section], new[section], section)
+        require(
+            changed is None,
+            changed or section,
+            "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
+            f"({', '.join(BRANCH_FIXED)}, strategy.name); start a new run instead",
+        )
+    require(before.strategy.name == after.strategy.name, "strategy.name",
+            f"a branch continues the {before.strategy.name} checkpoint of RUN_DIR; start a new run for another strategy")
+    for option in STRATEGIES[before.strategy.name].options_fixed_by(state["strategy"]):
+        require(
+            getattr(before.strategy.options, option) == getattr(after.strategy.options, option),
+            f"strategy.{option}",
+            f"the run already acted on it by round {state['round']} (the checkpoint); branch from an earlier "
+            "checkpoint (fedcluster run --stop-after N) to vary it",
+        )
+
+
+class _quiet:
+    """Keep Flower's per-round INFO logs and known-harmless notices off the caller's output.
+
+    ``run_simulation`` is deprecated in favour of ``flwr run`` but is the supported
+    way to run a simulation in-process; the notice and Ray's accelerator tip are
+    dropped unless ``verbose``.
+    """
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self._filter = _DropDeprecationNotice()
+
+    def __enter__(self) -> None:
+        from flwr.common.logger import FLOWER_LOGGER
+
+        self._level = FLOWER_LOGGER.level
+        if not self.verbose:
+            FLOWER_LOGGER.setLevel(logging.WARNING)
+            FLOWER_LOGGER.addFilter(self._filter)
+            warnings.filterwarnings("ignore", message=".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO.*")
+
+    def __exit__(self, *exc: object) -> None:
+        from flwr.common.logger import FLOWER_LOGGER
+
+        FLOWER_LOGGER.setLevel(self._level)
+        FLOWER_LOGGER.removeFilter(self._filter)
+
+
+class _DropDeprecationNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "DEPRECATED FEATURE" not in record.getMessage()

@@ -1,0 +1,147 @@
+"""The runner's rules for runs, resumes and branches, checked without starting Ray (the runs
+themselves are covered end to end in test_simulation.py; the CLI's messages in test_cli.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from conftest import DEFAULT_CONFIG
+from helpers import finished_looking_run
+from fedcluster_flwr import runner
+from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.experiment import make_client
+from fedcluster_flwr.schema import ConfigError
+
+
+def config(*overrides: str):
+    return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ("dataset.name=mnist", "dataset.name"),
+        ("partition.num_groups=2", "partition.num_groups"),
+        ("model.name=cnn_digits", "model.name"),
+        ("client.lr=0.1", "client.lr"),
+        ("seed=3", "seed"),
+        ("strategy.name=fedavg", "strategy.name"),
+    ],
+)
+def test_a_branch_cannot_change_what_produced_the_checkpoint(tmp_path, change, key):
+    base = finished_looking_run(tmp_path / "base")
+    with pytest.raises(ConfigError, match=rf"^{key}: a branch continues the (flhc )?checkpoint of RUN_DIR"):
+        runner.plan_continuation(base, out=tmp_path / "new", overrides=[change])
+    assert not (tmp_path / "new").exists()
+
+
+def test_planning_a_continuation_changes_nothing_and_says_what_will_run(tmp_path):
+    base = finished_looking_run(tmp_path / "base")
+    before = sorted((p, p.read_bytes()) for p in base.rglob("*") if p.is_file())
+    resume = runner.plan_continuation(base, rounds=12)
+    branch = runner.plan_continuation(base, out=tmp_path / "new", overrides=["strategy.threshold=7.5"])
+    assert sorted((p, p.read_bytes()) for p in base.rglob("*") if p.is_file()) == before
+    assert not (tmp_path / "new").exists()
+    assert (resume.run_dir, resume.is_branch, resume.config.rounds, resume.completed_round) == (base, False, 12, 3)
+    assert resume.extended and not branch.extended
+    assert (branch.run_dir, branch.is_branch, branch.overrides) == (tmp_path / "new", True, ("strategy.threshold=7.5",))
+    assert branch.config.strategy.options.threshold == 7.5 and branch.config.rounds == 30
+
+
+def test_resuming_with_more_rounds_records_them_in_the_runs_config(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: calls.append((run_dir, kw)) or {})
+    base = finished_looking_run(tmp_path / "base", done=30)
+    progress = object()
+    runner.continue_run(runner.plan_continuation(base, rounds=40), progress=progress)
+    assert yaml.safe_load((base / "config.yaml").read_text())["rounds"] == 40
+    assert calls == [(base, {"progress": progress, "verbose": False, "resume_from": 30})]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "state", "change", "refused"),
+    [
+        ("ifca", {}, "strategy.num_clusters=2", True),  # the K models exist from round 1
+        ("ifca", {}, "strategy.client_fraction=0.5", False),
+        ("oneshot_hfl", {"clustered": True}, "strategy.num_eigenvectors=3", True),
+        ("oneshot_hfl", {"clustered": False}, "strategy.num_eigenvectors=3", False),
+        ("flhc", {"clustering": None}, "strategy.threshold=5", False),  # not clustered yet
+        ("dac", {}, "strategy.tau=5", False),
+    ],
+)
+def test_each_strategy_names_the_options_its_checkpoint_already_used(strategy, state, change, refused):
+    base = [("strategy.name", strategy), ("strategy.threshold", None), ("strategy.num_clusters", 4)]
+    if strategy == "flhc":
+        base = [("strategy.threshold", 20.0)]
+    before, _ = load_config(DEFAULT_CONFIG, base)
+    after, _ = load_config(DEFAULT_CONFIG, base + [parse_override(change)])
+    if refused:
+        with pytest.raises(ConfigError, match=rf"{change.split('=')[0]}: the run already acted on it by round 4"):
+            runner.check_branch(before, after, {"round": 4, "strategy": state})
+    else:
+        runner.check_branch(before, after, {"round": 4, "strategy": state})
+
+
+class RecordedProgress:
+    def __init__(self):
+        self.calls = []
+
+    def start(self, config, run_dir, completed_round, last_round):
+        self.calls.append(("start", completed_round, last_round))
+
+    def round_done(self, row):
+        self.calls.append(("round", row["round"]))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_a_run_that_ends_early_is_a_failure_and_its_progress_is_closed(tmp_path, monkeypatch):
+    """Stands in for the simulation engine: it 'ran' 2 of 8 rounds (a crashed ServerApp, say)."""
+
+    def two_rounds(**kwargs):
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "summary.json").write_text(json.dumps({"completed_rounds": 2}))
+
+    monkeypatch.setattr("flwr.simulation.run_simulation", two_rounds)
+    progress = RecordedProgress()
+    with pytest.raises(runner.RunFailed, match=r"^the run stopped after 2 of 8 rounds; partial results in "):
+        runner.run_experiment(config("rounds=8"), tmp_path / "run", progress=progress)
+    assert progress.calls == [("start", 0, 8), ("close",)]
+
+
+def test_stop_after_must_fall_between_the_checkpoint_and_the_last_round(tmp_path):
+    for resume_from, stop_after in ((0, 30), (0, 0), (5, 5)):
+        with pytest.raises(ConfigError, match=rf"--stop-after: must lie after round {resume_from} and before"):
+            runner.run_experiment(config(), tmp_path / "x", resume_from=resume_from, stop_after=stop_after)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_used_results_directory_is_refused(tmp_path):
+    (tmp_path / "earlier.txt").write_text("")
+    with pytest.raises(ConfigError, match="--out: .* already holds files"):
+        runner.preflight(config(), tmp_path)
+    runner.preflight(config(), tmp_path, resuming=True)
+
+
+@pytest.mark.parametrize("process", ["driver", "client"])
+def test_the_driver_and_every_client_refuse_a_torch_setting_alike(tmp_path, monkeypatch, process):
+    """One check (experiment.configure_torch), one message: before Ray starts and in each client."""
+
+    def start(config):
+        if process == "driver":
+            runner.preflight(config, tmp_path / "run")
+        else:
+            make_client(config, 0, config.partition.num_clients)
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # refused before any process-wide switch is set
+    with pytest.raises(ConfigError, match=r"^simulation\.deterministic: deterministic CUDA kernels need "
+                                          r"CUBLAS_WORKSPACE_CONFIG=:4096:8 .* ':0:0'"):
+        start(config("simulation.deterministic=true", "client.device=cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^client\.device: is 'cuda' but this machine has no CUDA GPU"):
+            start(config("client.device=cuda"))
