@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +15,7 @@ from fedcluster_flwr import protocol
 from fedcluster_flwr.client import SimulatedClientFailure
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
+from fedcluster_flwr.tasks.selection import TRAIN_SELECT
 from fedcluster_flwr.training import get_weights
 
 
@@ -72,7 +77,7 @@ def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg):
     trained = untrained
     for rnd in range(1, 4):
         trained, _, _ = fit(client, protocol.TRAIN, rnd, trained)
-    weights, _, metrics = fit(client, protocol.TRAIN_SELECT, 9, untrained, trained, untrained)
+    weights, _, metrics = fit(client, TRAIN_SELECT, 9, untrained, trained, untrained)
     assert metrics["selected"] == 1
     assert metrics["loss_1"] < metrics["loss_0"] == pytest.approx(metrics["loss_2"])
     assert [w.shape for w in weights] == [w.shape for w in untrained]
@@ -82,14 +87,46 @@ def test_wrongly_packed_parameters_are_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
     n = len(initial_weights(cfg))
     with pytest.raises(protocol.ProtocolError, match=f"layout 'models=2x{n}' needs more than the {n} arrays"):
-        fit(client, protocol.TRAIN_SELECT, 1, initial_weights(cfg), layout=f"models=2x{n}")
+        fit(client, TRAIN_SELECT, 1, initial_weights(cfg), layout=f"models=2x{n}")
 
 
 def test_unknown_task_is_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
     arrays, layout = protocol.pack({protocol.MODELS: [initial_weights(cfg)]})
-    with pytest.raises(protocol.ProtocolError, match="task 'dance' is unknown; this client handles train, train_select, select, evaluate"):
+    handled = "train, evaluate, train_select, select, gram_eigen, relevance, gossip_train"
+    with pytest.raises(protocol.ProtocolError, match=f"task 'dance' is unknown; this client handles {handled}$"):
         client.fit(arrays, {protocol.TASK_KEY: "dance", protocol.ROUND_KEY: 1, protocol.LAYOUT_KEY: layout})
+
+
+def test_a_client_handles_every_task_whatever_was_imported_before():
+    """No import-order trap: in a fresh process, importing the client module registers every
+    family's handlers, and a client built by experiment.make_client takes every task of the
+    registry to that task's own instruction check (here: what the empty instruction lacks)."""
+    code = (
+        "import json\n"
+        "import fedcluster_flwr.client as client_module\n"
+        "handled = list(client_module.HANDLERS)  # before this script imports a family itself\n"
+        "from fedcluster_flwr.config import load_config\n"
+        "from fedcluster_flwr.experiment import make_client\n"
+        "from fedcluster_flwr.protocol import LAYOUT_KEY, ROUND_KEY, TASK_KEY, ProtocolError\n"
+        "from fedcluster_flwr.tasks import TASKS\n"
+        f"config, _ = load_config({str(DEFAULT_CONFIG)!r})\n"
+        "client = make_client(config, 0, config.partition.num_clients)\n"
+        "answers = {}\n"
+        "for name in TASKS:\n"
+        "    try:\n"
+        "        client.fit([], {TASK_KEY: name, ROUND_KEY: 1, LAYOUT_KEY: ''})\n"
+        "    except ProtocolError as err:\n"
+        "        answers[name] = str(err)\n"
+        "print(json.dumps({'handled': handled, 'tasks': list(TASKS), 'answers': answers}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(result["handled"]) == sorted(result["tasks"])
+    assert len(result["tasks"]) == 7
+    for name in result["tasks"]:
+        assert result["answers"][name].startswith(f"task {name!r}: missing ["), result["answers"][name]
 
 
 def test_fault_injection_raises_only_in_its_rounds(cfg):
