@@ -108,23 +108,18 @@ class ClusterClient(NumPyClient):
         self.fail_rounds = fail_rounds
 
     def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
-        return {
-            protocol.PARTITION_ID: self.pid,
-            protocol.NUM_PARTITIONS: self.num_partitions,
-            protocol.NUM_TRAIN: len(self.data.y_train),
-            protocol.NUM_TEST: len(self.data.y_test),
-        }
+        return {protocol.PARTITION_ID: self.pid, protocol.NUM_PARTITIONS: self.num_partitions}
 
     def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
         server_round = int(config[protocol.ROUND_KEY])
         if server_round in self.fail_rounds:
             raise SimulatedClientFailure(f"client {self.pid} fails in round {server_round} (simulation.fail_fit)")
         task, output = self._run(parameters, config)
-        return task.pack_reply(output.blocks), output.num_examples, {protocol.PARTITION_ID: self.pid, **output.metrics}
+        return task.pack_reply(output.blocks), output.num_examples, dict(output.metrics)
 
     def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
         _, output = self._run(parameters, config)
-        return output.loss, output.num_examples, {protocol.PARTITION_ID: self.pid, **output.metrics}
+        return output.loss, output.num_examples, dict(output.metrics)
 
     def _run(self, parameters: NDArrays, config: Mapping[str, Scalar]) -> tuple[Task, TaskOutput]:
         name = config.get(protocol.TASK_KEY)

@@ -53,8 +53,6 @@ EPOCHS_KEY = "epochs"  # train (optional): local epochs instead of the client's 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"
 NUM_PARTITIONS = "num_partitions"
-NUM_TRAIN = "num_train"
-NUM_TEST = "num_test"
 
 # Reply metrics.
 TRAIN_LOSS = "train_loss"
@@ -137,16 +135,12 @@ def unpack(arrays: NDArrays, layout: str) -> dict[str, list[NDArrays]]:
     return blocks
 
 
-def pack(blocks: Blocks) -> tuple[NDArrays, str]:
-    """Flat list of arrays and its layout; :func:`unpack` inverts it."""
-    return [array for items in blocks.values() for item in items for array in item], layout_of(blocks)
-
-
 SerializationCache = dict[int, tuple[NDArrays, list[bytes]]]
 
 
 def pack_parameters(blocks: Blocks, cache: SerializationCache | None = None) -> tuple[Parameters, str]:
-    """Like :func:`pack`, serialized for Flower.
+    """Flower's parameters for ``blocks`` (their arrays one after another) and their layout;
+    :func:`unpack` of :func:`parameters_to_arrays` of them gives the blocks back.
 
     ``cache`` (keyed by the identity of an item's list, so valid while the items live) lets
     the models that many clients receive in one round be serialized once.

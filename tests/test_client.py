@@ -23,14 +23,20 @@ def config(*overrides: str):
     return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
 
 
+def packed(blocks):
+    """Flower's flat list of arrays for ``blocks``, as the client receives it, and its layout."""
+    parameters, layout = protocol.pack_parameters(blocks)
+    return protocol.parameters_to_arrays(parameters), layout
+
+
 def fit(client, task, rnd, *models, layout=None):
     """Send ``models`` as the ``models`` block of a ``task`` instruction in round ``rnd``."""
-    arrays, packed_layout = protocol.pack({protocol.MODELS: list(models)})
+    arrays, packed_layout = packed({protocol.MODELS: list(models)})
     return client.fit(arrays, protocol.instruction_config(task, rnd, layout or packed_layout, {}))
 
 
 def evaluate(client, weights):
-    arrays, layout = protocol.pack({protocol.MODELS: [weights]})
+    arrays, layout = packed({protocol.MODELS: [weights]})
     return client.evaluate(arrays, protocol.instruction_config(protocol.EVALUATE, 1, layout, {}))
 
 
@@ -42,10 +48,10 @@ def cfg():
 def test_properties_identify_the_partition(cfg):
     client = make_client(cfg, 3, cfg.partition.num_clients)
     props = client.get_properties({})
-    assert props["partition_id"] == 3 and props["num_partitions"] == cfg.partition.num_clients
+    assert props == {"partition_id": 3, "num_partitions": cfg.partition.num_clients}
     _, partition = experiment_data(cfg)
-    assert props["num_train"] == len(partition.train_indices[3])
-    assert props["num_test"] == len(partition.test_indices[3])
+    assert client.num_train == len(partition.train_indices[3])
+    assert len(client.data.y_test) == len(partition.test_indices[3])
 
 
 def test_fit_trains_and_lowers_the_training_loss(cfg):
@@ -53,8 +59,8 @@ def test_fit_trains_and_lowers_the_training_loss(cfg):
     start = initial_weights(cfg)
     weights, num_examples, metrics = fit(client, protocol.TRAIN, 1, start)
     assert [w.shape for w in weights] == [w.shape for w in start]
-    assert num_examples == client.get_properties({})["num_train"]
-    assert metrics["partition_id"] == 0
+    assert num_examples == client.num_train
+    assert list(metrics) == ["train_loss"]
     loss_before, _, _ = evaluate(client, start)
     loss_after, _, result = evaluate(client, weights)
     assert loss_after < loss_before
@@ -92,7 +98,7 @@ def test_wrongly_packed_parameters_are_refused(cfg):
 
 def test_unknown_task_is_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
-    arrays, layout = protocol.pack({protocol.MODELS: [initial_weights(cfg)]})
+    arrays, layout = packed({protocol.MODELS: [initial_weights(cfg)]})
     handled = "train, evaluate, train_select, select, gram_eigen, relevance, gossip_train"
     with pytest.raises(protocol.ProtocolError, match=f"task 'dance' is unknown; this client handles {handled}$"):
         client.fit(arrays, {protocol.TASK_KEY: "dance", protocol.ROUND_KEY: 1, protocol.LAYOUT_KEY: layout})

@@ -52,7 +52,8 @@ def model(value: float = 1.0) -> list[np.ndarray]:
 
 def test_pack_then_unpack_gives_the_named_blocks_back():
     blocks = {MODELS: [model(1), model(2), model(3)], DIRECTIONS: [model(-1), model(-2), model(-3)]}
-    arrays, layout = protocol.pack(blocks)
+    parameters, layout = protocol.pack_parameters(blocks)
+    arrays = protocol.parameters_to_arrays(parameters)
     assert layout == "models=3x2,directions=3x2" and len(arrays) == 12
     unpacked = protocol.unpack(arrays, layout)
     assert list(unpacked) == [MODELS, DIRECTIONS]
