@@ -115,22 +115,15 @@ def score_models(client: ClusterClient, inputs: TaskInput, models: list[nn.Modul
     far more). A NaN score is never the best.
     """
     config = inputs.config
-    batch = int(config.get(SELECTION_BATCH_KEY, 0))
+    x, y = selection_sample(client, inputs.server_round, int(config.get(SELECTION_BATCH_KEY, 0)))
     reduction = str(config.get(LOSS_REDUCTION_KEY, "mean"))
     directions = inputs.blocks.get(DIRECTIONS)
-    if directions is None and batch == 0 and reduction == "mean":
-        # The batched evaluation loop FL+HC's placements have always used: its float sums, hence
-        # its choices, stay bit-identical (the recorded trajectories check it).
-        losses = [client.training_loss(model) for model in models]
-        similarities: list[float] = []
-    else:
-        x, y = selection_sample(client, inputs.server_round, batch)
-        pairs = [
-            selection_score_inputs(model, x, y, reduction, client.device, None if directions is None else directions[k])
-            for k, model in enumerate(models)
-        ]
-        losses = [loss for loss, _ in pairs]
-        similarities = [similarity for _, similarity in pairs] if directions is not None else []
+    pairs = [
+        selection_score_inputs(model, x, y, reduction, client.device, None if directions is None else directions[k])
+        for k, model in enumerate(models)
+    ]
+    losses = [loss for loss, _ in pairs]
+    similarities = [similarity for _, similarity in pairs] if directions is not None else []
     return selection_metrics(losses, similarities, float(config.get(LAMBDA_KEY, 0.0)))
 
 
