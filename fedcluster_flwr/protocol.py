@@ -9,27 +9,21 @@ way, in the order its task declares. Every reply is checked against its task's s
 (which blocks, of which shapes given the instruction; which metrics, with which checks)
 before any of its arrays touches a model.
 
+The two tasks every algorithm uses:
+
 =================  ===================================  ==================================  ===========================
 task               sends                                reply arrays                        reply metrics
 =================  ===================================  ==================================  ===========================
 ``train``          ``models`` (1), ``epochs``           ``model``                           ``train_loss``
                    (optional)
-``train_select``   ``models`` (K), ``directions``       ``model`` (the chosen one,          ``selected`` < K, ``loss_k``
-                   (K, optional)                        trained or one step)                (+ ``similarity_k``)
-``select``         ``models`` (K), ``directions``       –                                   as ``train_select``
-                   (K, optional)
-``gram_eigen``     – (Φ, k and ``share_eigenvalues``    ``eigenvectors`` (k × d),            –
-                   in the config)                       ``eigenvalues`` (k; none unless
-                                                        ``share_eigenvalues``)
-``relevance``      ``eigenvectors`` (N items of         ``relevance`` (N)                   –
-                   k × d vectors, + k values each
-                   with ``share_eigenvalues``)
-``gossip_train``   ``models`` (own + m neighbours),     ``model`` (own, trained)            ``loss_j``, j < m, finite
-                   ``samples_j`` in the config
-                   (+ ``merge_lowest``, optional)
 ``evaluate``       ``models`` (1)                       –                                   ``accuracy`` in [0, 1]
                                                                                              (+ finite ``val_loss``)
 =================  ===================================  ==================================  ===========================
+
+Each algorithm family's own tasks are declared, with their keys, reply schema and client
+handlers, in a module of :mod:`fedcluster_flwr.tasks`: ``train_select`` and ``select`` in
+:mod:`~fedcluster_flwr.tasks.selection`, ``gram_eigen`` and ``relevance`` in
+:mod:`~fedcluster_flwr.tasks.oneshot`, ``gossip_train`` in :mod:`~fedcluster_flwr.tasks.gossip`.
 
 Task names, block names and the config and metric keys appear nowhere else as literals:
 the client looks its handlers up by these :class:`Task` objects, the strategies build
@@ -38,6 +32,7 @@ the client looks its handlers up by these :class:`Task` objects, the strategies 
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -53,45 +48,23 @@ from flwr.common import NDArrays, Parameters, Scalar, bytes_to_ndarray, ndarray_
 TASK_KEY = "task"
 ROUND_KEY = "round"
 LAYOUT_KEY = "layout"
-NUM_EIGENVECTORS_KEY = "num_eigenvectors"
-FEATURES_KEY = "features"  # gram_eigen/relevance: the feature map Φ (see features.py)
-FEATURE_DIM_KEY = "feature_dim"  # d, the number of features of Φ
-FEATURE_SEED_KEY = "feature_seed"  # random_projection: the seed every client draws the projection from
-PRETRAINED_WEIGHTS_KEY = "pretrained_weights"  # pretrained: the backbone's weights file on the client
-# gram_eigen/relevance: whether clients share their eigenvalues along with their eigenvectors (Amiri et
-# al.'s relevance compares j's eigenvalues; Ali & Arafa's eq. 3 the client's own, so none are sent)
-SHARE_EIGENVALUES_KEY = "share_eigenvalues"
-SELECTION_BATCH_KEY = "selection_batch"  # train_select/select: samples the losses are taken on (0: all)
-LOSS_REDUCTION_KEY = "loss_reduction"  # train_select/select: "mean" (default) or "sum" over those samples
-LAMBDA_KEY = "lambda"  # train_select/select with directions: weight of the gradient similarity
-LOCAL_UPDATE_KEY = "local_update"  # train_select: EPOCHS (train the chosen model) or ONE_STEP (w_s - lr grad L_s(Z))
-EPOCHS = "epochs"
-ONE_STEP = "one_step"
-SAMPLES_KEY = "samples"  # gossip_train: samples_j, the training samples behind neighbour j's model
-MERGE_LOWEST_KEY = "merge_lowest"  # gossip_train (optional): merge only this many neighbours, those of lowest loss (PENS)
 EPOCHS_KEY = "epochs"  # train (optional): local epochs instead of the client's own (client.epochs), e.g. pretraining
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"
 NUM_PARTITIONS = "num_partitions"
-NUM_TRAIN = "num_train"
-NUM_TEST = "num_test"
 
 # Reply metrics.
 TRAIN_LOSS = "train_loss"
-SELECTED = "selected"
 ACCURACY = "accuracy"
 VAL_LOSS = "val_loss"  # evaluate, where the client holds a validation split
-LOSS = "loss"  # per item of a block: loss_0, loss_1, ...
-SIMILARITY = "similarity"  # per item: similarity_0, ...
+# Per item of a block (loss_0, loss_1, ...): per model in train_select/select, per neighbour in
+# gossip_train; declared here, not in one family, because two families reply with it.
+LOSS = "loss"
 
 # Block names.
 MODELS = "models"  # items: whole models, arrays in state_dict order
-DIRECTIONS = "directions"  # items: one update direction per model (gradloss)
-EIGENVECTORS = "eigenvectors"  # sent: items [vectors (k, d)] (+ values (k,) when shared); replied: vectors (k, d)
-EIGENVALUES = "eigenvalues"  # replied: values (k,) when shared, else no array
 MODEL = "model"  # replied: one model
-RELEVANCE = "relevance"  # replied: one row r(i, .) of the relevance matrix
 
 # Beyond this magnitude a replied value would overflow float32 sums and distances.
 MAX_ABS_VALUE = 1e6
@@ -162,16 +135,12 @@ def unpack(arrays: NDArrays, layout: str) -> dict[str, list[NDArrays]]:
     return blocks
 
 
-def pack(blocks: Blocks) -> tuple[NDArrays, str]:
-    """Flat list of arrays and its layout; :func:`unpack` inverts it."""
-    return [array for items in blocks.values() for item in items for array in item], layout_of(blocks)
-
-
 SerializationCache = dict[int, tuple[NDArrays, list[bytes]]]
 
 
 def pack_parameters(blocks: Blocks, cache: SerializationCache | None = None) -> tuple[Parameters, str]:
-    """Like :func:`pack`, serialized for Flower.
+    """Flower's parameters for ``blocks`` (their arrays one after another) and their layout;
+    :func:`unpack` of :func:`parameters_to_arrays` of them gives the blocks back.
 
     ``cache`` (keyed by the identity of an item's list, so valid while the items live) lets
     the models that many clients receive in one round be serialized once.
@@ -299,7 +268,7 @@ def when_sent(block: str, check: MetricCheck) -> MetricCheck:
 
 @dataclass(frozen=True)
 class Task:
-    """One kind of work a client can be asked for; see the table in the module docstring."""
+    """One kind of work a client can be asked for; see the tables of this module and of the family modules."""
 
     name: str
     sends: tuple[str, ...]  # blocks the instruction must carry
@@ -358,73 +327,51 @@ class Task:
         return blocks
 
 
-def _one_model(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
+def one_model(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
+    """Reply shapes of a task that returns one model (``model``, shaped as the strategy's)."""
     return {MODEL: model.arrays()}
 
 
-def _eigen_shapes(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
-    k, d = int(sent.config[NUM_EIGENVECTORS_KEY]), int(sent.config[FEATURE_DIM_KEY])
-    values = [ArraySpec((k,), low=0.0)] if sent.config[SHARE_EIGENVALUES_KEY] else []
-    return {EIGENVECTORS: [ArraySpec((k, d))], EIGENVALUES: values}
+def no_arrays(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
+    """Reply shapes of a task that returns metrics only."""
+    return {}
 
 
-def _relevance_shape(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
-    return {RELEVANCE: [ArraySpec((sent.items[EIGENVECTORS],), low=0.0, high=1.0)]}
-
-
-TRAIN = Task("train", sends=(MODELS,), reply=(MODEL,), reply_shapes=_one_model)
-_SELECTION_CHECKS = (
-    index_into(SELECTED, MODELS),
-    one_per_item(LOSS, MODELS),  # NaN allowed: a diverged model is reported, never chosen
-    when_sent(DIRECTIONS, one_per_item(SIMILARITY, MODELS)),
-)
-TRAIN_SELECT = Task(
-    "train_select",
-    sends=(MODELS,),
-    optional=(DIRECTIONS,),
-    reply=(MODEL,),
-    reply_shapes=_one_model,
-    metric_checks=_SELECTION_CHECKS,
-)
-SELECT = Task(  # train_select without the training: "which of these models is mine?"
-    "select",
-    sends=(MODELS,),
-    optional=(DIRECTIONS,),
-    reply=(),
-    reply_shapes=lambda sent, model: {},
-    metric_checks=_SELECTION_CHECKS,
-)
-_ONESHOT_CONFIG = (FEATURES_KEY, FEATURE_DIM_KEY, FEATURE_SEED_KEY, PRETRAINED_WEIGHTS_KEY, SHARE_EIGENVALUES_KEY)
-GRAM_EIGEN = Task(
-    "gram_eigen",
-    sends=(),
-    reply=(EIGENVECTORS, EIGENVALUES),
-    reply_shapes=_eigen_shapes,
-    config=(NUM_EIGENVECTORS_KEY, *_ONESHOT_CONFIG),
-)
-RELEVANCE_ROW = Task(
-    "relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape, config=_ONESHOT_CONFIG
-)
-GOSSIP_TRAIN = Task(
-    "gossip_train",
-    sends=(MODELS,),
-    reply=(MODEL,),
-    reply_shapes=_one_model,
-    metric_checks=(one_per_item(LOSS, MODELS, skip=1, finite=True, minimum=0.0),),
-)
+TRAIN = Task("train", sends=(MODELS,), reply=(MODEL,), reply_shapes=one_model)
 EVALUATE = Task(
     "evaluate",
     sends=(MODELS,),
     reply=(),
-    reply_shapes=lambda sent, model: {},
+    reply_shapes=no_arrays,
     metric_checks=(in_unit_interval(ACCURACY), finite_if_present(VAL_LOSS)),
 )
-
-TASKS: dict[str, Task] = {
-    task.name: task for task in (TRAIN, TRAIN_SELECT, SELECT, GRAM_EIGEN, RELEVANCE_ROW, GOSSIP_TRAIN, EVALUATE)
-}
 
 
 def instruction_config(task: Task, server_round: int, layout: str, extra: Mapping[str, Scalar]) -> dict[str, Scalar]:
     """The config of one instruction: task, round, layout and the task's own scalars."""
     return {**extra, TASK_KEY: task.name, ROUND_KEY: server_round, LAYOUT_KEY: layout}
+
+
+# ---- TEMPORARY: re-exported for fedcluster_flwr/strategies until the merge; do not use in new code ----
+# The strategies still import these names from here; they live in their family's module of
+# fedcluster_flwr.tasks now. Resolved on first access (PEP 562): the family modules import this
+# module, so importing them at its top would be an import cycle.
+_MOVED_FOR_THE_STRATEGIES = {
+    "selection": (
+        "TRAIN_SELECT", "SELECT", "DIRECTIONS", "SELECTED", "SIMILARITY",
+        "SELECTION_BATCH_KEY", "LOSS_REDUCTION_KEY", "LAMBDA_KEY", "LOCAL_UPDATE_KEY",
+    ),
+    "oneshot": (
+        "GRAM_EIGEN", "RELEVANCE_ROW", "EIGENVECTORS", "EIGENVALUES", "RELEVANCE",
+        "NUM_EIGENVECTORS_KEY", "FEATURES_KEY", "FEATURE_DIM_KEY", "FEATURE_SEED_KEY",
+        "PRETRAINED_WEIGHTS_KEY", "SHARE_EIGENVALUES_KEY",
+    ),
+    "gossip": ("GOSSIP_TRAIN", "SAMPLES_KEY", "MERGE_LOWEST_KEY"),
+}
+_FAMILY_OF = {name: family for family, names in _MOVED_FOR_THE_STRATEGIES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FAMILY_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__package__}.tasks.{_FAMILY_OF[name]}"), name)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +15,7 @@ from fedcluster_flwr import protocol
 from fedcluster_flwr.client import SimulatedClientFailure
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
+from fedcluster_flwr.tasks.selection import TRAIN_SELECT
 from fedcluster_flwr.training import get_weights
 
 
@@ -18,14 +23,20 @@ def config(*overrides: str):
     return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
 
 
+def packed(blocks):
+    """Flower's flat list of arrays for ``blocks``, as the client receives it, and its layout."""
+    parameters, layout = protocol.pack_parameters(blocks)
+    return protocol.parameters_to_arrays(parameters), layout
+
+
 def fit(client, task, rnd, *models, layout=None):
     """Send ``models`` as the ``models`` block of a ``task`` instruction in round ``rnd``."""
-    arrays, packed_layout = protocol.pack({protocol.MODELS: list(models)})
+    arrays, packed_layout = packed({protocol.MODELS: list(models)})
     return client.fit(arrays, protocol.instruction_config(task, rnd, layout or packed_layout, {}))
 
 
 def evaluate(client, weights):
-    arrays, layout = protocol.pack({protocol.MODELS: [weights]})
+    arrays, layout = packed({protocol.MODELS: [weights]})
     return client.evaluate(arrays, protocol.instruction_config(protocol.EVALUATE, 1, layout, {}))
 
 
@@ -37,10 +48,10 @@ def cfg():
 def test_properties_identify_the_partition(cfg):
     client = make_client(cfg, 3, cfg.partition.num_clients)
     props = client.get_properties({})
-    assert props["partition_id"] == 3 and props["num_partitions"] == cfg.partition.num_clients
+    assert props == {"partition_id": 3, "num_partitions": cfg.partition.num_clients}
     _, partition = experiment_data(cfg)
-    assert props["num_train"] == len(partition.train_indices[3])
-    assert props["num_test"] == len(partition.test_indices[3])
+    assert client.num_train == len(partition.train_indices[3])
+    assert len(client.data.y_test) == len(partition.test_indices[3])
 
 
 def test_fit_trains_and_lowers_the_training_loss(cfg):
@@ -48,8 +59,8 @@ def test_fit_trains_and_lowers_the_training_loss(cfg):
     start = initial_weights(cfg)
     weights, num_examples, metrics = fit(client, protocol.TRAIN, 1, start)
     assert [w.shape for w in weights] == [w.shape for w in start]
-    assert num_examples == client.get_properties({})["num_train"]
-    assert metrics["partition_id"] == 0
+    assert num_examples == client.num_train
+    assert list(metrics) == ["train_loss"]
     loss_before, _, _ = evaluate(client, start)
     loss_after, _, result = evaluate(client, weights)
     assert loss_after < loss_before
@@ -72,7 +83,7 @@ def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg):
     trained = untrained
     for rnd in range(1, 4):
         trained, _, _ = fit(client, protocol.TRAIN, rnd, trained)
-    weights, _, metrics = fit(client, protocol.TRAIN_SELECT, 9, untrained, trained, untrained)
+    weights, _, metrics = fit(client, TRAIN_SELECT, 9, untrained, trained, untrained)
     assert metrics["selected"] == 1
     assert metrics["loss_1"] < metrics["loss_0"] == pytest.approx(metrics["loss_2"])
     assert [w.shape for w in weights] == [w.shape for w in untrained]
@@ -82,14 +93,46 @@ def test_wrongly_packed_parameters_are_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
     n = len(initial_weights(cfg))
     with pytest.raises(protocol.ProtocolError, match=f"layout 'models=2x{n}' needs more than the {n} arrays"):
-        fit(client, protocol.TRAIN_SELECT, 1, initial_weights(cfg), layout=f"models=2x{n}")
+        fit(client, TRAIN_SELECT, 1, initial_weights(cfg), layout=f"models=2x{n}")
 
 
 def test_unknown_task_is_refused(cfg):
     client = make_client(cfg, 0, cfg.partition.num_clients)
-    arrays, layout = protocol.pack({protocol.MODELS: [initial_weights(cfg)]})
-    with pytest.raises(protocol.ProtocolError, match="task 'dance' is unknown; this client handles train, train_select, select, evaluate"):
+    arrays, layout = packed({protocol.MODELS: [initial_weights(cfg)]})
+    handled = "train, evaluate, train_select, select, gram_eigen, relevance, gossip_train"
+    with pytest.raises(protocol.ProtocolError, match=f"task 'dance' is unknown; this client handles {handled}$"):
         client.fit(arrays, {protocol.TASK_KEY: "dance", protocol.ROUND_KEY: 1, protocol.LAYOUT_KEY: layout})
+
+
+def test_a_client_handles_every_task_whatever_was_imported_before():
+    """No import-order trap: in a fresh process, importing the client module registers every
+    family's handlers, and a client built by experiment.make_client takes every task of the
+    registry to that task's own instruction check (here: what the empty instruction lacks)."""
+    code = (
+        "import json\n"
+        "import fedcluster_flwr.client as client_module\n"
+        "handled = list(client_module.HANDLERS)  # before this script imports a family itself\n"
+        "from fedcluster_flwr.config import load_config\n"
+        "from fedcluster_flwr.experiment import make_client\n"
+        "from fedcluster_flwr.protocol import LAYOUT_KEY, ROUND_KEY, TASK_KEY, ProtocolError\n"
+        "from fedcluster_flwr.tasks import TASKS\n"
+        f"config, _ = load_config({str(DEFAULT_CONFIG)!r})\n"
+        "client = make_client(config, 0, config.partition.num_clients)\n"
+        "answers = {}\n"
+        "for name in TASKS:\n"
+        "    try:\n"
+        "        client.fit([], {TASK_KEY: name, ROUND_KEY: 1, LAYOUT_KEY: ''})\n"
+        "    except ProtocolError as err:\n"
+        "        answers[name] = str(err)\n"
+        "print(json.dumps({'handled': handled, 'tasks': list(TASKS), 'answers': answers}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(result["handled"]) == sorted(result["tasks"])
+    assert len(result["tasks"]) == 7
+    for name in result["tasks"]:
+        assert result["answers"][name].startswith(f"task {name!r}: missing ["), result["answers"][name]
 
 
 def test_fault_injection_raises_only_in_its_rounds(cfg):

@@ -11,7 +11,7 @@ from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameter
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
-from fedcluster_flwr.client import TaskInput, merge_neighbours_and_train
+from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
 from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
@@ -20,6 +20,7 @@ from fedcluster_flwr.strategies.dac import (
     reference_tau, reference_two_hop_update, two_hop_similarities,
 )
 from fedcluster_flwr.strategies.fedavg import LocalOnly, LocalOptions
+from fedcluster_flwr.tasks.gossip import GOSSIP_TRAIN, MERGE_LOWEST_KEY, SAMPLES_KEY, merge_neighbours_and_train
 from test_strategies import DIM, SHAPES, client_manager, flat, make_setup, unflatten
 
 N = 8
@@ -88,10 +89,10 @@ def test_round_one_is_uniform_and_the_relay_records_one_over_loss(tmp_path):
     received = play(strategy, manager, 1)
     assert set(received) == set(range(N))  # client_fraction 1.0
     for pid, (task, models, chosen, config) in received.items():
-        assert task == protocol.GOSSIP_TRAIN.name and len(models) == 4
+        assert task == GOSSIP_TRAIN.name and len(models) == 4
         for model, owner in zip(models, [pid, *chosen], strict=True):  # its own mailbox, then the neighbours'
             np.testing.assert_array_equal(flat(model), before[owner])
-        assert [config[protocol.indexed(protocol.SAMPLES_KEY, j)] for j in range(3)] == [10 * (q + 1) for q in chosen]
+        assert [config[protocol.indexed(SAMPLES_KEY, j)] for j in range(3)] == [10 * (q + 1) for q in chosen]
         for q in chosen:
             assert strategy.similarity[pid, q] == pytest.approx(1.0 / (1.0 + abs(int(TRUE[pid]) - int(TRUE[q]))))
             assert strategy.met[pid, q] and strategy.communication[pid, q] == 1
@@ -205,7 +206,7 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
         if rnd == 3:  # client 5 joins: it pretrains while the others exchange, and nobody meets it yet
             assert tasks.pop(5) == protocol.TRAIN.name
             assert all(5 not in chosen for _, _, chosen, _ in received.values())
-        assert set(tasks.values()) == {protocol.GOSSIP_TRAIN.name}
+        assert set(tasks.values()) == {GOSSIP_TRAIN.name}
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["pretrain", "dac", "dac", "dac"]
     assert strategy.pretrained.all() and strategy.communication[5].sum() == 2  # it exchanged in round 4
@@ -214,7 +215,7 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
 def test_without_pretraining_round_one_exchanges_untrained_models(tmp_path):
     strategy = gossip(RandomGossip, tmp_path, GossipOptions(pretrain_epochs=0), pretrained=False)
     received = play(strategy, client_manager(N), 1)
-    assert {task for task, *_ in received.values()} == {protocol.GOSSIP_TRAIN.name}
+    assert {task for task, *_ in received.values()} == {GOSSIP_TRAIN.name}
 
 
 def test_a_train_instruction_with_epochs_trains_for_that_many_epochs(monkeypatch):
@@ -327,7 +328,7 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
     expected = np.zeros((N, N), dtype=int)
     for rnd in (1, 2, 3):
         for pid, (task, models, chosen, config) in play(strategy, manager, rnd, loss).items():
-            assert task == protocol.GOSSIP_TRAIN.name and len(chosen) == 3 and config[protocol.MERGE_LOWEST_KEY] == 1
+            assert task == GOSSIP_TRAIN.name and len(chosen) == 3 and config[MERGE_LOWEST_KEY] == 1
             expected[pid, min(chosen, key=lambda q: loss(pid, q))] += 1
     np.testing.assert_array_equal(strategy.kept_counts, expected)
     np.testing.assert_array_equal(strategy.neighbour_sets, expected > 1 / N * 3)
@@ -338,7 +339,7 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
         for pid, (task, models, chosen, config) in play(strategy, manager, rnd, loss).items():
             kept = set(np.flatnonzero(strategy.neighbour_sets[pid]).tolist())
             assert set(chosen) <= kept and len(chosen) == min(3, len(kept))
-            assert protocol.MERGE_LOWEST_KEY not in config  # every drawn peer is merged
+            assert MERGE_LOWEST_KEY not in config  # every drawn peer is merged
     assert json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["phase"] == "pens_gossip"
 
 
@@ -352,7 +353,7 @@ def test_a_pens_client_merges_only_its_lowest_loss_neighbours(monkeypatch):
     own, *neighbours = [[np.full(s, v, np.float32) for s in shapes] for v in (1.0, 4.0, 10.0, 7.0)]
     counts = {f"samples_{j}": client.num_train for j in range(3)}
     output = merge_neighbours_and_train(client, TaskInput(3, {MODELS: [own, *neighbours]},
-                                                          counts | {protocol.MERGE_LOWEST_KEY: 2}))
+                                                          counts | {MERGE_LOWEST_KEY: 2}))
     np.testing.assert_allclose(output.blocks[protocol.MODEL][0], (1.0 + 4.0 + 7.0) / 3, rtol=1e-6)
     assert [output.metrics[f"loss_{j}"] for j in range(3)] == [4.0, 10.0, 7.0]  # every drawn peer's loss reported
 

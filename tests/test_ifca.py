@@ -12,16 +12,31 @@ from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameter
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
-from fedcluster_flwr.client import TaskInput, score_models, train_best_model
+from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import purity
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
-from fedcluster_flwr.protocol import DIRECTIONS, LAYOUT_KEY, MODELS, SELECT, TASK_KEY, TRAIN, TRAIN_SELECT
+from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY, TRAIN
 from fedcluster_flwr.results import load_checkpoint
 from fedcluster_flwr.strategies.round_log import resume
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.ifca import IFCA, GradLoss, GradLossOptions, IFCAOptions
+from fedcluster_flwr.tasks.selection import (
+    DIRECTIONS,
+    LAMBDA_KEY,
+    LOCAL_UPDATE_KEY,
+    LOSS_REDUCTION_KEY,
+    ONE_STEP,
+    SELECT,
+    SELECTED,
+    SELECTION_BATCH_KEY,
+    SIMILARITY,
+    TRAIN_SELECT,
+    score_models,
+    selection_sample,
+    train_best_model,
+)
 from fedcluster_flwr.training import get_weights, selection_score_inputs
 from test_strategies import DIM, client_manager, flat, make_setup, select_metrics, unflatten
 
@@ -52,16 +67,16 @@ def test_ifca_picks_the_model_with_the_lowest_training_loss(digits_client):
     good = trained(client, untrained)
     for batch, reduction in ((0, "mean"), (16, "sum"), (16, "mean")):
         metrics = scores(client, [untrained, good, untrained],
-                         **{protocol.SELECTION_BATCH_KEY: batch, protocol.LOSS_REDUCTION_KEY: reduction})
-        assert metrics[protocol.SELECTED] == 1, (batch, reduction)
+                         **{SELECTION_BATCH_KEY: batch, LOSS_REDUCTION_KEY: reduction})
+        assert metrics[SELECTED] == 1, (batch, reduction)
         assert metrics["loss_1"] < metrics["loss_0"] == pytest.approx(metrics["loss_2"])
 
 
 def test_sum_reduction_scales_the_loss_by_the_batch(digits_client):
     config, client = digits_client
     model = initial_weights(config)
-    mean = scores(client, [model], **{protocol.SELECTION_BATCH_KEY: 16, protocol.LOSS_REDUCTION_KEY: "mean"})
-    total = scores(client, [model], **{protocol.SELECTION_BATCH_KEY: 16, protocol.LOSS_REDUCTION_KEY: "sum"})
+    mean = scores(client, [model], **{SELECTION_BATCH_KEY: 16, LOSS_REDUCTION_KEY: "mean"})
+    total = scores(client, [model], **{SELECTION_BATCH_KEY: 16, LOSS_REDUCTION_KEY: "sum"})
     assert total["loss_0"] == pytest.approx(16 * mean["loss_0"], rel=1e-5)
 
 
@@ -73,7 +88,7 @@ def test_the_data_that_made_an_update_scores_a_positive_similarity(digits_client
     after = trained(client, before, rounds=1)
     step = [a - b for a, b in zip(after, before)]
     model = client.load_model(after)
-    x, y = client.selection_sample(3, 32)
+    x, y = selection_sample(client, 3, 32)
     _, s_own = selection_score_inputs(model, x, y, "sum", client.device, step)
     _, s_reversed = selection_score_inputs(model, x, y, "sum", client.device, [-a for a in step])
     _, s_zero = selection_score_inputs(model, x, y, "sum", client.device, [np.zeros_like(a) for a in step])
@@ -86,25 +101,25 @@ def test_gradloss_rule_trades_similarity_against_loss_and_lambda_zero_is_ifca(di
     better = trained(client, start, rounds=2)  # lower loss, but a step pointing away from this client
     step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
     away = [-a for a in step_here]
-    settings = {protocol.SELECTION_BATCH_KEY: 32, protocol.LOSS_REDUCTION_KEY: "mean"}
+    settings = {SELECTION_BATCH_KEY: 32, LOSS_REDUCTION_KEY: "mean"}
     models, directions = [start, better], [step_here, away]
     ifca = scores(client, models, **settings)
     for weight in (0.0, 0.2):
-        gradloss = scores(client, models, directions, **settings, **{protocol.LAMBDA_KEY: weight})
-        assert gradloss[protocol.SELECTED] == ifca[protocol.SELECTED] == 1  # the loss decides
+        gradloss = scores(client, models, directions, **settings, **{LAMBDA_KEY: weight})
+        assert gradloss[SELECTED] == ifca[SELECTED] == 1  # the loss decides
         assert gradloss["loss_0"] == pytest.approx(ifca["loss_0"]) and gradloss["loss_1"] == pytest.approx(ifca["loss_1"])
-    by_direction = scores(client, models, directions, **settings, **{protocol.LAMBDA_KEY: 1.0})
+    by_direction = scores(client, models, directions, **settings, **{LAMBDA_KEY: 1.0})
     assert by_direction["similarity_0"] > 0 > by_direction["similarity_1"]
-    assert by_direction[protocol.SELECTED] == 0  # lambda = 1: only the direction counts
+    assert by_direction[SELECTED] == 0  # lambda = 1: only the direction counts
 
 
 def test_the_selection_mini_batch_is_seeded_per_round_and_client(digits_client):
     _, client = digits_client
-    x1, _ = client.selection_sample(3, 10)
-    x2, _ = client.selection_sample(3, 10)
-    x3, _ = client.selection_sample(4, 10)
+    x1, _ = selection_sample(client, 3, 10)
+    x2, _ = selection_sample(client, 3, 10)
+    x3, _ = selection_sample(client, 4, 10)
     assert torch.equal(x1, x2) and not torch.equal(x1, x3) and len(x1) == 10
-    assert len(client.selection_sample(3, 0)[1]) == client.num_train
+    assert len(selection_sample(client, 3, 0)[1]) == client.num_train
 
 
 @pytest.mark.parametrize("with_directions", [False, True])
@@ -114,17 +129,16 @@ def test_one_step_returns_the_chosen_model_minus_lr_times_its_gradient_on_the_se
     config, client = digits_client
     start = initial_weights(config)
     good = trained(client, start)
-    settings = {protocol.SELECTION_BATCH_KEY: 16, protocol.LOSS_REDUCTION_KEY: "sum",
-                protocol.LOCAL_UPDATE_KEY: protocol.ONE_STEP, protocol.LAMBDA_KEY: 0.2}
+    settings = {SELECTION_BATCH_KEY: 16, LOSS_REDUCTION_KEY: "sum", LOCAL_UPDATE_KEY: ONE_STEP, LAMBDA_KEY: 0.2}
     blocks = {MODELS: [start, good]}
     if with_directions:
         blocks[DIRECTIONS] = [[np.zeros_like(a) for a in start], [a - b for a, b in zip(good, start)]]
     output = train_best_model(client, TaskInput(7, blocks, settings))
-    assert output.metrics[protocol.SELECTED] == 1 and output.num_examples == 16
-    assert (protocol.indexed(protocol.SIMILARITY, 1) in output.metrics) == with_directions
+    assert output.metrics[SELECTED] == 1 and output.num_examples == 16
+    assert (protocol.indexed(SIMILARITY, 1) in output.metrics) == with_directions
 
     model = client.load_model(good)
-    x, y = client.selection_sample(7, 16)
+    x, y = selection_sample(client, 7, 16)
     loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
     gradients = torch.autograd.grad(loss, list(model.parameters()))
     expected = [(w - client.settings.lr * g).detach().numpy() for w, g in zip(model.parameters(), gradients)]
@@ -164,7 +178,7 @@ def reply(pid, ins, chooser=None):
         chosen = int(np.argmin(losses)) if chooser is None else chooser(pid, len(models))
         metrics |= select_metrics(chosen, losses)
         if DIRECTIONS in blocks:
-            metrics |= {protocol.indexed(protocol.SIMILARITY, k): 0.0 for k in range(len(models))}
+            metrics |= {protocol.indexed(SIMILARITY, k): 0.0 for k in range(len(models))}
     if task == SELECT.name:
         return FitRes(Status(Code.OK, ""), ndarrays_to_parameters([]), 10, metrics)
     w = flat(models[chosen])
@@ -210,7 +224,7 @@ def test_one_step_with_every_device_sends_all_k_models_to_all_devices_every_iter
         assert sorted(received) == list(range(len(GROUPS)))
         for task, blocks, config in received.values():
             assert task == TRAIN_SELECT.name and len(blocks[MODELS]) == len(blocks[DIRECTIONS]) == 3
-            assert config[protocol.LOCAL_UPDATE_KEY] == protocol.ONE_STEP
+            assert config[LOCAL_UPDATE_KEY] == ONE_STEP
 
 
 def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_model(tmp_path):
@@ -284,7 +298,7 @@ def test_gradloss_sends_zero_directions_first_then_each_clusters_last_update(tmp
     manager = client_manager(len(GROUPS))
     received = play(strategy, manager, 1, chooser=lambda pid, k: 0 if pid < 6 else 2)
     _, blocks, config = received[0]
-    assert config[protocol.LAMBDA_KEY] == 0.5 and config[protocol.LOSS_REDUCTION_KEY] == "sum"
+    assert config[LAMBDA_KEY] == 0.5 and config[LOSS_REDUCTION_KEY] == "sum"
     assert all(not np.any(a) for item in blocks[DIRECTIONS] for a in item)
     received = play(strategy, manager, 2, chooser=lambda pid, k: 0 if pid < 6 else 2)
     directions = received[0][1][DIRECTIONS]

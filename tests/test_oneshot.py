@@ -12,7 +12,7 @@ from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameter
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
-from fedcluster_flwr.client import TaskInput, relevance_to_every_client, top_gram_eigenpairs
+from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
@@ -21,6 +21,22 @@ from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.aggregation import average_layers
 from fedcluster_flwr.strategies.oneshot_hfl import HFLOptions, OracleHFL
+from fedcluster_flwr.tasks.oneshot import (
+    EIGENVALUES,
+    EIGENVECTORS,
+    FEATURES_KEY,
+    FEATURE_DIM_KEY,
+    FEATURE_SEED_KEY,
+    GRAM_EIGEN,
+    NUM_EIGENVECTORS_KEY,
+    PRETRAINED_WEIGHTS_KEY,
+    RELEVANCE,
+    RELEVANCE_ROW,
+    SHARE_EIGENVALUES_KEY,
+    client_gram,
+    relevance_to_every_client,
+    top_gram_eigenpairs,
+)
 from test_strategies import SHAPES, client_manager, make_setup
 
 # ---- relevance -------------------------------------------------------------------------------------
@@ -107,24 +123,24 @@ def label_group_config():
     return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
 
 
-FEATURE_CONFIG = {protocol.FEATURES_KEY: "identity", protocol.FEATURE_DIM_KEY: 64, protocol.FEATURE_SEED_KEY: 0,
-                  protocol.PRETRAINED_WEIGHTS_KEY: "", protocol.SHARE_EIGENVALUES_KEY: False}
-SHARING = FEATURE_CONFIG | {protocol.SHARE_EIGENVALUES_KEY: True}  # relevance: amiri
+FEATURE_CONFIG = {FEATURES_KEY: "identity", FEATURE_DIM_KEY: 64, FEATURE_SEED_KEY: 0, PRETRAINED_WEIGHTS_KEY: "",
+                  SHARE_EIGENVALUES_KEY: False}
+SHARING = FEATURE_CONFIG | {SHARE_EIGENVALUES_KEY: True}  # relevance: amiri
 
 
 def test_gram_eigen_returns_the_top_eigenpairs_in_descending_order(label_group_config):
     client = make_client(label_group_config, 0, 20)
-    output = top_gram_eigenpairs(client, TaskInput(1, {}, SHARING | {protocol.NUM_EIGENVECTORS_KEY: 5}))
-    (vectors,), (values,) = output.blocks[protocol.EIGENVECTORS], output.blocks[protocol.EIGENVALUES]
+    output = top_gram_eigenpairs(client, TaskInput(1, {}, SHARING | {NUM_EIGENVECTORS_KEY: 5}))
+    (vectors,), (values,) = output.blocks[EIGENVECTORS], output.blocks[EIGENVALUES]
     assert vectors.shape == (5, 64) and values.shape == (5,) and vectors.dtype == np.float32
     assert np.all(np.diff(values) <= 0)
     np.testing.assert_allclose(vectors @ vectors.T, np.eye(5), atol=1e-5)
-    gram = client.gram(FEATURE_CONFIG).numpy()
+    gram = client_gram(client, FEATURE_CONFIG).numpy()
     np.testing.assert_allclose(gram @ vectors.T, vectors.T * values, rtol=1e-3, atol=1e-4)
     assert values[0] == pytest.approx(np.linalg.eigvalsh(gram).max(), rel=1e-5)
-    unshared = top_gram_eigenpairs(client, TaskInput(1, {}, FEATURE_CONFIG | {protocol.NUM_EIGENVECTORS_KEY: 5}))
-    assert unshared.blocks[protocol.EIGENVALUES] == []  # the paper's users send eigenvectors only
-    np.testing.assert_array_equal(unshared.blocks[protocol.EIGENVECTORS][0], vectors)
+    unshared = top_gram_eigenpairs(client, TaskInput(1, {}, FEATURE_CONFIG | {NUM_EIGENVECTORS_KEY: 5}))
+    assert unshared.blocks[EIGENVALUES] == []  # the paper's users send eigenvectors only
+    np.testing.assert_array_equal(unshared.blocks[EIGENVECTORS][0], vectors)
 
 
 @pytest.mark.parametrize("config", [FEATURE_CONFIG, SHARING], ids=["paper", "amiri"])
@@ -132,11 +148,11 @@ def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_confi
     clients = [make_client(label_group_config, pid, 20) for pid in range(20)]
     summaries = []
     for client in clients:
-        blocks = top_gram_eigenpairs(client, TaskInput(1, {}, config | {protocol.NUM_EIGENVECTORS_KEY: 5})).blocks
-        summaries.append(blocks[protocol.EIGENVECTORS] + blocks[protocol.EIGENVALUES])
+        blocks = top_gram_eigenpairs(client, TaskInput(1, {}, config | {NUM_EIGENVECTORS_KEY: 5})).blocks
+        summaries.append(blocks[EIGENVECTORS] + blocks[EIGENVALUES])
     rows = np.stack([
-        relevance_to_every_client(client, TaskInput(2, {protocol.EIGENVECTORS: summaries}, config))
-        .blocks[protocol.RELEVANCE][0] for client in clients
+        relevance_to_every_client(client, TaskInput(2, {EIGENVECTORS: summaries}, config))
+        .blocks[RELEVANCE][0] for client in clients
     ])
     assert np.diag(rows) == pytest.approx(1.0, abs=1e-4)
     relevance = relevance_matrix(rows)
@@ -299,8 +315,8 @@ def summary_reply(pid, share_eigenvalues=False):
     rng = np.random.default_rng(pid % 2)
     x = rng.normal(size=(50, 4)) * ([3, 1, 0.3, 0.1] if pid % 2 else [0.1, 0.3, 1, 3])
     gram, (vectors, values) = summary_of(x, 2)
-    arrays = protocol.GRAM_EIGEN.pack_reply({protocol.EIGENVECTORS: [vectors.astype(np.float32)],
-                                             protocol.EIGENVALUES: [values.astype(np.float32)] if share_eigenvalues else []})
+    arrays = GRAM_EIGEN.pack_reply({EIGENVECTORS: [vectors.astype(np.float32)],
+                                    EIGENVALUES: [values.astype(np.float32)] if share_eigenvalues else []})
     return gram, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 50, {})
 
 
@@ -310,10 +326,10 @@ def one_shot_round(strategy, manager, rnd, fail=frozenset(), share_eigenvalues=N
     for proxy, ins in strategy.configure_fit(rnd, None, manager):
         if proxy.pid in fail:
             continue
-        share = ins.config[protocol.SHARE_EIGENVALUES_KEY] if share_eigenvalues is None else share_eigenvalues
+        share = ins.config[SHARE_EIGENVALUES_KEY] if share_eigenvalues is None else share_eigenvalues
         gram, res = summary_reply(proxy.pid, share)
-        if ins.config[TASK_KEY] == protocol.RELEVANCE_ROW.name:
-            summaries = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[protocol.EIGENVECTORS]
+        if ins.config[TASK_KEY] == RELEVANCE_ROW.name:
+            summaries = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[EIGENVECTORS]
             values = [item[1] for item in summaries] if share else None
             row = relevance_row(gram, [item[0] for item in summaries], values).astype(np.float32)
             res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([row]), 50, {})

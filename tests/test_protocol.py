@@ -14,21 +14,11 @@ from fedcluster_flwr import protocol
 from fedcluster_flwr.models import parameters_with_prefixes
 from fedcluster_flwr.protocol import (
     ACCURACY,
-    DIRECTIONS,
-    EIGENVALUES,
-    EIGENVECTORS,
     EVALUATE,
-    GOSSIP_TRAIN,
-    GRAM_EIGEN,
     LOSS,
     MODEL,
     MODELS,
-    RELEVANCE,
-    RELEVANCE_ROW,
-    SELECTED,
-    SIMILARITY,
     TRAIN,
-    TRAIN_SELECT,
     ModelSpec,
     ProtocolError,
     Sent,
@@ -36,6 +26,18 @@ from fedcluster_flwr.protocol import (
 )
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions
+from fedcluster_flwr.tasks.gossip import GOSSIP_TRAIN
+from fedcluster_flwr.tasks.oneshot import (
+    EIGENVALUES,
+    EIGENVECTORS,
+    FEATURE_DIM_KEY,
+    GRAM_EIGEN,
+    NUM_EIGENVECTORS_KEY,
+    RELEVANCE,
+    RELEVANCE_ROW,
+    SHARE_EIGENVALUES_KEY,
+)
+from fedcluster_flwr.tasks.selection import DIRECTIONS, SELECTED, SIMILARITY, TRAIN_SELECT
 from test_strategies import SHAPES, client_manager, make_setup
 
 SPEC = ModelSpec.of(["w", "b"], [np.zeros(s, np.float32) for s in SHAPES])
@@ -50,7 +52,8 @@ def model(value: float = 1.0) -> list[np.ndarray]:
 
 def test_pack_then_unpack_gives_the_named_blocks_back():
     blocks = {MODELS: [model(1), model(2), model(3)], DIRECTIONS: [model(-1), model(-2), model(-3)]}
-    arrays, layout = protocol.pack(blocks)
+    parameters, layout = protocol.pack_parameters(blocks)
+    arrays = protocol.parameters_to_arrays(parameters)
     assert layout == "models=3x2,directions=3x2" and len(arrays) == 12
     unpacked = protocol.unpack(arrays, layout)
     assert list(unpacked) == [MODELS, DIRECTIONS]
@@ -100,7 +103,7 @@ def select_metrics(k: int, with_similarity: bool = False) -> dict:
     return metrics | ({indexed(SIMILARITY, j): 0.1 for j in range(k)} if with_similarity else {})
 
 
-EIGEN_SENT = Sent({}, {protocol.NUM_EIGENVECTORS_KEY: 3, protocol.FEATURE_DIM_KEY: 5, protocol.SHARE_EIGENVALUES_KEY: True})
+EIGEN_SENT = Sent({}, {NUM_EIGENVECTORS_KEY: 3, FEATURE_DIM_KEY: 5, SHARE_EIGENVALUES_KEY: True})
 CASES = {
     # task: (sent, valid arrays, valid metrics, [(label, arrays, metrics, expected message)])
     TRAIN: (Sent({MODELS: 1}, {}), model(), {}, [
@@ -162,7 +165,7 @@ def test_similarities_are_required_only_when_directions_were_sent():
 def test_eigenvalues_are_part_of_a_gram_eigen_reply_only_when_shared():
     """The paper's relevance (eq. 3) needs no eigenvalues of the others: its users send none, and a
     reply that carries them anyway is refused."""
-    unshared = Sent({}, EIGEN_SENT.config | {protocol.SHARE_EIGENVALUES_KEY: False})
+    unshared = Sent({}, EIGEN_SENT.config | {SHARE_EIGENVALUES_KEY: False})
     vectors, values = np.zeros((3, 5), np.float32), np.ones(3, np.float32)
     assert GRAM_EIGEN.problem_with_reply([vectors], {}, unshared, SPEC) is None
     assert "expected arrays of shapes [(3, 5)]" in GRAM_EIGEN.problem_with_reply([vectors, values], {}, unshared, SPEC)

@@ -25,11 +25,12 @@ from fedcluster_flwr.results import RunRecorder, load_checkpoint
 from fedcluster_flwr.strategies.round_log import resume
 from fedcluster_flwr.strategies import FederationError, StrategySetup
 from fedcluster_flwr import protocol
-from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY, TRAIN_SELECT
+from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
 from fedcluster_flwr.aggregation import weighted_mean
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
 from fedcluster_flwr.strategies.flhc import FLHC, FLHCOptions
+from fedcluster_flwr.tasks.selection import SELECTED, TRAIN_SELECT
 
 SHAPES = [(4, 3), (3,)]
 DIM = 15
@@ -90,7 +91,7 @@ def flat(arrays) -> np.ndarray:
 
 def select_metrics(chosen: int, losses) -> dict:
     """What a train_select reply reports: the chosen index and every model's loss."""
-    return {protocol.SELECTED: chosen} | {protocol.indexed(protocol.LOSS, k): float(v) for k, v in enumerate(losses)}
+    return {SELECTED: chosen} | {protocol.indexed(protocol.LOSS, k): float(v) for k, v in enumerate(losses)}
 
 
 def received_models(ins) -> list[list[np.ndarray]]:
@@ -406,7 +407,7 @@ def test_train_select_without_a_valid_choice_is_rejected(tmp_path):
 
     def no_choice(pid, models, config):
         weights, n, metrics = train(pid, models, config)
-        metrics.pop(protocol.SELECTED, None)
+        metrics.pop(SELECTED, None)
         return weights, n, metrics
 
     run_round(strategy, manager, 4, no_choice)

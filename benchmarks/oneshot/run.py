@@ -33,8 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr import protocol
-from fedcluster_flwr.client import TaskInput, relevance_to_every_client, top_gram_eigenpairs
+from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import (
     RELEVANCE_RULES,
     cluster_by_relevance,
@@ -45,6 +44,19 @@ from fedcluster_flwr.clustering import (
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.experiment import experiment_data, make_client
 from fedcluster_flwr.results import read_rounds
+from fedcluster_flwr.tasks.oneshot import (
+    EIGENVALUES,
+    EIGENVECTORS,
+    FEATURES_KEY,
+    FEATURE_DIM_KEY,
+    FEATURE_SEED_KEY,
+    NUM_EIGENVECTORS_KEY,
+    PRETRAINED_WEIGHTS_KEY,
+    RELEVANCE,
+    SHARE_EIGENVALUES_KEY,
+    relevance_to_every_client,
+    top_gram_eigenpairs,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import mean_std, run_or_reuse  # noqa: E402
@@ -67,23 +79,22 @@ def clustering_vs_k(seed: int, ks: tuple[int, ...]) -> dict[str, dict[int, dict[
     options = config.strategy.options
     true = experiment_data(config)[1].true_clusters
     clients = [make_client(config, pid, config.partition.num_clients) for pid in range(config.partition.num_clients)]
-    features = {protocol.FEATURES_KEY: options.features, protocol.FEATURE_DIM_KEY: 784,
-                protocol.FEATURE_SEED_KEY: seed, protocol.PRETRAINED_WEIGHTS_KEY: ""}
-    top = {protocol.NUM_EIGENVECTORS_KEY: max(ks), protocol.SHARE_EIGENVALUES_KEY: True}
+    features = {FEATURES_KEY: options.features, FEATURE_DIM_KEY: 784, FEATURE_SEED_KEY: seed, PRETRAINED_WEIGHTS_KEY: ""}
+    top = {NUM_EIGENVECTORS_KEY: max(ks), SHARE_EIGENVALUES_KEY: True}
     summaries = []
     for client in clients:
         blocks = top_gram_eigenpairs(client, TaskInput(1, {}, features | top)).blocks
-        summaries.append((blocks[protocol.EIGENVECTORS][0], blocks[protocol.EIGENVALUES][0]))
+        summaries.append((blocks[EIGENVECTORS][0], blocks[EIGENVALUES][0]))
     results: dict[str, dict[int, dict[str, float]]] = {}
     for rule in RELEVANCE_RULES:
         share = rule == "amiri"
-        config_k = features | {protocol.SHARE_EIGENVALUES_KEY: share}
+        config_k = features | {SHARE_EIGENVALUES_KEY: share}
         results[rule] = {}
         for k in ks:
             truncated = [[vectors[:k], values[:k]] if share else [vectors[:k]] for vectors, values in summaries]
             rows = np.stack([
-                relevance_to_every_client(c, TaskInput(2, {protocol.EIGENVECTORS: truncated}, config_k))
-                .blocks[protocol.RELEVANCE][0] for c in clients
+                relevance_to_every_client(c, TaskInput(2, {EIGENVECTORS: truncated}, config_k))
+                .blocks[RELEVANCE][0] for c in clients
             ])
             relevance = relevance_matrix(rows)
             labels = cluster_by_relevance(relevance, options.linkage, num_clusters=options.num_clusters).labels
