@@ -32,7 +32,6 @@ the client looks its handlers up by these :class:`Task` objects, the strategies 
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -350,28 +349,3 @@ EVALUATE = Task(
 def instruction_config(task: Task, server_round: int, layout: str, extra: Mapping[str, Scalar]) -> dict[str, Scalar]:
     """The config of one instruction: task, round, layout and the task's own scalars."""
     return {**extra, TASK_KEY: task.name, ROUND_KEY: server_round, LAYOUT_KEY: layout}
-
-
-# ---- TEMPORARY: re-exported for fedcluster_flwr/strategies until the merge; do not use in new code ----
-# The strategies still import these names from here; they live in their family's module of
-# fedcluster_flwr.tasks now. Resolved on first access (PEP 562): the family modules import this
-# module, so importing them at its top would be an import cycle.
-_MOVED_FOR_THE_STRATEGIES = {
-    "selection": (
-        "TRAIN_SELECT", "SELECT", "DIRECTIONS", "SELECTED", "SIMILARITY",
-        "SELECTION_BATCH_KEY", "LOSS_REDUCTION_KEY", "LAMBDA_KEY", "LOCAL_UPDATE_KEY",
-    ),
-    "oneshot": (
-        "GRAM_EIGEN", "RELEVANCE_ROW", "EIGENVECTORS", "EIGENVALUES", "RELEVANCE",
-        "NUM_EIGENVECTORS_KEY", "FEATURES_KEY", "FEATURE_DIM_KEY", "FEATURE_SEED_KEY",
-        "PRETRAINED_WEIGHTS_KEY", "SHARE_EIGENVALUES_KEY",
-    ),
-    "gossip": ("GOSSIP_TRAIN", "SAMPLES_KEY", "MERGE_LOWEST_KEY"),
-}
-_FAMILY_OF = {name: family for family, names in _MOVED_FOR_THE_STRATEGIES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _FAMILY_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__package__}.tasks.{_FAMILY_OF[name]}"), name)

@@ -52,8 +52,9 @@ from flwr.server.strategy import Strategy
 from .. import protocol
 from ..aggregation import weighted_mean
 from ..models import parameters_with_prefixes
-from ..protocol import MODEL, MODELS, SELECT, SELECTED, TRAIN, TRAIN_SELECT, ModelSpec
+from ..protocol import MODEL, MODELS, TRAIN, ModelSpec
 from ..results import RunRecorder
+from ..tasks.selection import SELECT, SELECTED, TRAIN_SELECT
 from .directory import ClientDirectory
 from .messages import Instruction, Reply, RoundMessages, parameters_nbytes
 from .round_log import UNASSIGNED, RoundLog

@@ -59,7 +59,9 @@ from flwr.common import NDArrays
 from .. import protocol
 from ..aggregation import lowest
 from ..clustering import cluster_square
-from ..protocol import GOSSIP_TRAIN, MODELS, TRAIN
+from ..protocol import MODELS, TRAIN
+from ..tasks import gossip
+from ..tasks.gossip import GOSSIP_TRAIN
 from ..results import plot_client_matrix
 from ..schema import require
 from .core import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
@@ -252,7 +254,7 @@ class Gossip(ClusteredStrategy):
         """``pid`` gets its own model and its sampled neighbours' (task gossip_train)."""
         chosen = self.neighbours(server_round, pid)
         sizes = self.setup.train_sizes
-        config = {protocol.indexed(protocol.SAMPLES_KEY, j): int(sizes[q]) if sizes is not None else 1
+        config = {protocol.indexed(gossip.SAMPLES_KEY, j): int(sizes[q]) if sizes is not None else 1
                   for j, q in enumerate(chosen)} | self.exchange_config()
         models = [self.client_models[pid]] + [self.client_models[q] for q in chosen]
         return Instruction(pid, GOSSIP_TRAIN, {MODELS: models}, config, peers=tuple(chosen))
@@ -477,7 +479,7 @@ class PENS(Gossip):
         return "pens_selection" if self.selecting else "pens_gossip"
 
     def exchange_config(self) -> dict[str, int]:
-        return {protocol.MERGE_LOWEST_KEY: self.options.num_kept} if self.selecting else {}
+        return {gossip.MERGE_LOWEST_KEY: self.options.num_kept} if self.selecting else {}
 
     def neighbour_scores(self, server_round: int, pid: int, candidates: np.ndarray) -> np.ndarray:
         if self.selecting:

@@ -45,7 +45,9 @@ import numpy as np
 from flwr.common import NDArrays, Scalar
 
 from .. import protocol
-from ..protocol import DIRECTIONS, MODEL, MODELS, SELECT, TRAIN, TRAIN_SELECT, Task
+from ..protocol import MODEL, MODELS, TRAIN, Task
+from ..tasks import selection
+from ..tasks.selection import DIRECTIONS, SELECT, TRAIN_SELECT
 from ..schema import require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import require_clusters_fit, require_fraction
@@ -91,9 +93,9 @@ class IFCAOptions:
 
     def selection_config(self) -> dict[str, Scalar]:
         return {
-            protocol.SELECTION_BATCH_KEY: self.selection_batch or 0,
-            protocol.LOSS_REDUCTION_KEY: self.loss_reduction,
-            protocol.LOCAL_UPDATE_KEY: self.local_update,
+            selection.SELECTION_BATCH_KEY: self.selection_batch or 0,
+            selection.LOSS_REDUCTION_KEY: self.loss_reduction,
+            selection.LOCAL_UPDATE_KEY: self.local_update,
         }
 
 
@@ -110,14 +112,14 @@ class GradLossOptions(IFCAOptions):
         require(0.0 <= self.lambda_ <= 1.0, f"{prefix}.lambda", f"must be in [0, 1], got {self.lambda_}")
 
     def selection_config(self) -> dict[str, Scalar]:
-        return super().selection_config() | {protocol.LAMBDA_KEY: self.lambda_}
+        return super().selection_config() | {selection.LAMBDA_KEY: self.lambda_}
 
 
 def score_spreads(replies: list[Reply], num_models: int) -> dict[str, float]:
     """Mean over clients of max_k − min_k of the losses L_k and (gradloss) the similarities S_k
     they reported: how much each term of λ·S − (1−λ)·L can move a client's choice."""
     spreads: dict[str, float] = {}
-    for metric, key in ((protocol.LOSS, "mean_loss_spread"), (protocol.SIMILARITY, "mean_similarity_spread")):
+    for metric, key in ((protocol.LOSS, "mean_loss_spread"), (selection.SIMILARITY, "mean_similarity_spread")):
         values = [[float(r.metrics[protocol.indexed(metric, k)]) for k in range(num_models)]
                   for r in replies if protocol.indexed(metric, 0) in r.metrics]
         finite = [np.ptp(v) for v in values if np.all(np.isfinite(v))]

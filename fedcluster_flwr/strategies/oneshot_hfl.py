@@ -43,12 +43,13 @@ from typing import Any, Literal
 import numpy as np
 from flwr.common import Scalar, log
 
-from .. import protocol
 from ..aggregation import average_layers
 from ..clustering import ClusteringRecord, cluster_by_relevance, relevance_matrix, within_and_across
 from ..features import check_weights_file, feature_dim
 from ..models import model_outline, parameter_names, parameters_with_prefixes
-from ..protocol import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, MODEL, RELEVANCE, RELEVANCE_ROW
+from ..protocol import MODEL
+from ..tasks import oneshot
+from ..tasks.oneshot import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ..results import plot_client_matrix
 from ..schema import require
 from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
@@ -264,11 +265,11 @@ class OneShotHFL(HierarchicalFL):
     def feature_config(self) -> dict[str, Scalar]:
         opts = self.options
         return {
-            protocol.FEATURES_KEY: opts.features,
-            protocol.FEATURE_DIM_KEY: self.dim,
-            protocol.FEATURE_SEED_KEY: self.setup.seed,
-            protocol.PRETRAINED_WEIGHTS_KEY: opts.pretrained_weights or "",
-            protocol.SHARE_EIGENVALUES_KEY: opts.relevance == "amiri",
+            oneshot.FEATURES_KEY: opts.features,
+            oneshot.FEATURE_DIM_KEY: self.dim,
+            oneshot.FEATURE_SEED_KEY: self.setup.seed,
+            oneshot.PRETRAINED_WEIGHTS_KEY: opts.pretrained_weights or "",
+            oneshot.SHARE_EIGENVALUES_KEY: opts.relevance == "amiri",
         }
 
     def clustering_phase(self) -> str:
@@ -277,7 +278,7 @@ class OneShotHFL(HierarchicalFL):
     def clustering_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
         config = self.feature_config()
         if not self.summaries:
-            config[protocol.NUM_EIGENVECTORS_KEY] = self.options.num_eigenvectors
+            config[oneshot.NUM_EIGENVECTORS_KEY] = self.options.num_eigenvectors
             return [Instruction(p, GRAM_EIGEN, {}, config) for p in online]
         summaries = [self.summaries[p] for p in sorted(self.summaries)]
         return [Instruction(p, RELEVANCE_ROW, {EIGENVECTORS: summaries}, config) for p in online if p in self.summaries]
