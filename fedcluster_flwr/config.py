@@ -25,16 +25,6 @@ from .models import MODELS, RENAMED as RENAMED_MODELS
 from .schema import ConfigError, config_keys, describe, from_mapping, join_key, require, to_plain, unknown_key_message
 from .strategies import STRATEGIES
 
-# Static facts the config needs before any data is loaded.
-DATASET_SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
-    "digits": ((1, 8, 8), 10),
-    "mnist": ((1, 28, 28), 10),
-    "fashion_mnist": ((1, 28, 28), 10),
-    "cifar10": ((3, 32, 32), 10),
-    "femnist": ((1, 28, 28), 62),
-}
-
-
 @dataclass(frozen=True)
 class DatasetConfig:
     name: str = "digits"
@@ -141,11 +131,11 @@ class ExperimentConfig:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        return DATASET_SHAPES[self.dataset.name][0]
+        return DATASETS[self.dataset.name].input_shape
 
     @property
     def num_classes(self) -> int:
-        return DATASET_SHAPES[self.dataset.name][1]
+        return DATASETS[self.dataset.name].num_classes
 
 
 TOP_LEVEL_SCALARS = ("seed", "rounds", "target_accuracy", "output_dir", "checkpoint_every")

@@ -63,6 +63,17 @@ def test_a_paper_key_that_is_a_python_keyword_round_trips():
     assert build_config(plain)[0] == config
 
 
+def test_the_configs_dataset_facts_are_those_of_the_loaded_pool():
+    """The config checks models against the registry's shapes without loading data; the bundled
+    dataset's pool must agree with them (the others are checked where their files are faked)."""
+    from fedcluster_flwr.data import DATASETS, load_pool
+
+    config, _ = load("dataset.name=digits")
+    pool = load_pool("digits")
+    assert (config.input_shape, config.num_classes) == (pool.input_shape, pool.num_classes)
+    assert DATASETS["digits"].input_shape == pool.input_shape
+
+
 def test_yaml_reads_exponent_floats(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("client: {lr: 1e-3}\n")
