@@ -83,12 +83,12 @@ class GossipOptions:
             require(self.pretrain_epochs >= 0, f"{prefix}.pretrain_epochs",
                     f"must be >= 0 (0: no pretraining; null: client.epochs), got {self.pretrain_epochs}")
 
-    def check_experiment(self, config: Any) -> None:
-        require(self.num_neighbours < config.partition.num_clients, "strategy.num_neighbours",
+    def check_experiment(self, config: Any, prefix: str) -> None:
+        require(self.num_neighbours < config.partition.num_clients, f"{prefix}.num_neighbours",
                 f"must be below partition.num_clients ({config.partition.num_clients}): a client never samples itself")
         if self.pretrain_epochs != 0:  # round 1 only pretrains
             require(config.rounds >= 2, "rounds",
-                    f"round 1 only pretrains (strategy.pretrain_epochs); give 2 or more, got {config.rounds}")
+                    f"round 1 only pretrains ({prefix}.pretrain_epochs); give 2 or more, got {config.rounds}")
 
 
 @dataclass(frozen=True)

@@ -76,15 +76,15 @@ class FLHCOptions:
                 "random projection preserves l2/cosine distances only; remove it for distance l1",
             )
 
-    def check_experiment(self, config: Any) -> None:
+    def check_experiment(self, config: Any, prefix: str) -> None:
         require(
             self.rounds_before_clustering < config.rounds,
-            "strategy.rounds_before_clustering",
+            f"{prefix}.rounds_before_clustering",
             f"the clustering round ({self.rounds_before_clustering + 1}) must fall within "
             f"rounds ({config.rounds})",
         )
         if self.num_clusters is not None:
-            require_clusters_fit(self.num_clusters, config)
+            require_clusters_fit(self.num_clusters, config, f"{prefix}.num_clusters")
 
 
 class FLHC(ClusteredStrategy):

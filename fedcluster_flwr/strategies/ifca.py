@@ -75,18 +75,18 @@ class IFCAOptions:
         require(self.warmup_rounds >= 0, f"{prefix}.warmup_rounds", f"must be >= 0, got {self.warmup_rounds}")
         require(self.warmup_noise > 0, f"{prefix}.warmup_noise", f"must be > 0, got {self.warmup_noise}")
 
-    def check_experiment(self, config: Any) -> None:
-        require_clusters_fit(self.num_clusters, config)
-        require(self.warmup_rounds < config.rounds, "strategy.warmup_rounds",
+    def check_experiment(self, config: Any, prefix: str) -> None:
+        require_clusters_fit(self.num_clusters, config, f"{prefix}.num_clusters")
+        require(self.warmup_rounds < config.rounds, f"{prefix}.warmup_rounds",
                 f"must leave rounds for clustering: {self.warmup_rounds} of rounds ({config.rounds})")
         if self.cluster_guard == "one_per_cluster":
             sampled = max(1, math.floor(self.client_fraction * config.partition.num_clients + 1e-9))
-            require(sampled >= self.num_clusters, "strategy.cluster_guard",
+            require(sampled >= self.num_clusters, f"{prefix}.cluster_guard",
                     f"one_per_cluster forces one sampled client into each of the {self.num_clusters} clusters, "
                     f"but client_fraction {self.client_fraction} samples only {sampled}")
         if self.local_update == "one_step":
             client = config.client
-            require(client.optimizer == "sgd" and client.momentum == 0 and client.weight_decay == 0, "strategy.local_update",
+            require(client.optimizer == "sgd" and client.momentum == 0 and client.weight_decay == 0, f"{prefix}.local_update",
                     "one_step takes one plain gradient step with client.lr: it needs client.optimizer sgd with "
                     f"momentum 0 and weight_decay 0 (got {client.optimizer}, momentum {client.momentum}, "
                     f"weight_decay {client.weight_decay})")

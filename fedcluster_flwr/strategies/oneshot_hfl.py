@@ -69,9 +69,9 @@ class HFLOptions:
         require_fraction(self.client_fraction, f"{prefix}.client_fraction")
         require(self.lps_rounds >= 1, f"{prefix}.lps_rounds", f"must be >= 1, got {self.lps_rounds}")
 
-    def check_experiment(self, config: Any) -> None:
+    def check_experiment(self, config: Any, prefix: str) -> None:
         names = parameter_names(model_outline(config.model.name, config.input_shape, config.num_classes))
-        parameters_with_prefixes(names, self.shared_layers, "strategy.shared_layers")
+        parameters_with_prefixes(names, self.shared_layers, f"{prefix}.shared_layers")
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,9 @@ class RandomClustersOptions(HFLOptions):
         super().validate(prefix)
         require(self.num_clusters >= 1, f"{prefix}.num_clusters", f"must be >= 1, got {self.num_clusters}")
 
-    def check_experiment(self, config: Any) -> None:
-        super().check_experiment(config)
-        require_clusters_fit(self.num_clusters, config)
+    def check_experiment(self, config: Any, prefix: str) -> None:
+        super().check_experiment(config, prefix)
+        require_clusters_fit(self.num_clusters, config, f"{prefix}.num_clusters")
 
 
 @dataclass(frozen=True)
@@ -119,14 +119,14 @@ class OneShotOptions(HFLOptions):
             require(self.pretrained_weights is None, f"{prefix}.pretrained_weights",
                     f"only features pretrained reads a weights file (features is {self.features})")
 
-    def check_experiment(self, config: Any) -> None:
-        super().check_experiment(config)
+    def check_experiment(self, config: Any, prefix: str) -> None:
+        super().check_experiment(config, prefix)
         require(config.rounds > 2, "rounds", f"oneshot_hfl spends rounds 1-2 on clustering; give more than 2, got {config.rounds}")
         dim = feature_dim(self.features, config.input_shape, self.feature_dim)
-        require(self.num_eigenvectors <= dim, "strategy.num_eigenvectors",
+        require(self.num_eigenvectors <= dim, f"{prefix}.num_eigenvectors",
                 f"cannot exceed the {dim} features of {self.features}")
         if self.num_clusters is not None:
-            require_clusters_fit(self.num_clusters, config)
+            require_clusters_fit(self.num_clusters, config, f"{prefix}.num_clusters")
 
 
 class HierarchicalFL(ClusteredStrategy):

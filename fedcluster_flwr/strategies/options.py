@@ -15,7 +15,7 @@ def require_fraction(value: float, key: str) -> None:
     require(0.0 < value <= 1.0, key, f"must be in (0, 1], got {value}")
 
 
-def require_clusters_fit(num_clusters: int, config: Any, key: str = "strategy.num_clusters") -> None:
+def require_clusters_fit(num_clusters: int, config: Any, key: str) -> None:
     """No more clusters than clients."""
     clients = config.partition.num_clients
     require(num_clusters <= clients, key, f"cannot exceed partition.num_clients ({clients})")
