@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -72,6 +73,27 @@ def test_the_configs_dataset_facts_are_those_of_the_loaded_pool():
     pool = load_pool("digits")
     assert (config.input_shape, config.num_classes) == (pool.input_shape, pool.num_classes)
     assert DATASETS["digits"].input_shape == pool.input_shape
+
+
+def all_options_classes():
+    from fedcluster_flwr.data.partitions import PARTITIONERS
+    from fedcluster_flwr.strategies import STRATEGIES
+
+    return {cls for s in STRATEGIES.values() for cls in s.Options.__mro__ if dataclasses.is_dataclass(cls)} | {
+        p.options for p in PARTITIONERS.values()}
+
+
+def test_a_field_redeclared_in_a_subclass_keeps_its_bases_constraints():
+    """A subclass that changes a default redeclares the field, and the field's metadata with it: it
+    must declare the same constraints (GradLossOptions.selection_batch), or they would be lost."""
+    for cls in all_options_classes():
+        for base in cls.__mro__[1:]:
+            if not dataclasses.is_dataclass(base):
+                continue
+            ours = {f.name: f.metadata for f in dataclasses.fields(cls)}
+            for field in dataclasses.fields(base):
+                assert ours[field.name].get("constraints") == field.metadata.get("constraints"), (
+                    f"{cls.__name__}.{field.name} drops the constraints {base.__name__} declares")
 
 
 def test_yaml_reads_exponent_floats(tmp_path):
