@@ -56,6 +56,18 @@ def test_resolved_config_round_trips():
     assert again == config and notes == []
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_conf_file_loads_and_its_resolved_config_round_trips(path, tmp_path, monkeypatch):
+    # a home holding torchvision's ResNet-18 file where the pretrained-feature conf expects it
+    monkeypatch.setenv("HOME", str(tmp_path))
+    weights = tmp_path / ".cache" / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    weights.parent.mkdir(parents=True)
+    weights.touch()
+    config, _ = load_config(path)
+    again, notes = build_config(config_to_dict(config))
+    assert again == config and notes == []
+
+
 def test_a_paper_key_that_is_a_python_keyword_round_trips():
     config, notes = load("strategy.name=gradloss", "strategy.lambda=0.5")
     assert config.strategy.options.lambda_ == 0.5 and "strategy.threshold ignored" in " ".join(notes)
