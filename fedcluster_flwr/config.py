@@ -10,7 +10,6 @@ strategy.name=...`` switches between them); a key that belongs to none is an err
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,75 +21,71 @@ import yaml
 from .data.datasets import DATASETS
 from .data.partitions import PARTITIONERS
 from .models import MODELS, RENAMED as RENAMED_MODELS
-from .schema import ConfigError, config_keys, describe, from_mapping, join_key, require, to_plain, unknown_key_message
+from .schema import (
+    REQUIRED,
+    ConfigError,
+    InRegistry,
+    Interval,
+    above,
+    at_least,
+    check_in_experiment,
+    config_keys,
+    describe,
+    from_mapping,
+    join_key,
+    option,
+    require,
+    to_plain,
+    unknown_key_message,
+)
 from .strategies import STRATEGIES
-
-# Static facts the config needs before any data is loaded.
-DATASET_SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
-    "digits": ((1, 8, 8), 10),
-    "mnist": ((1, 28, 28), 10),
-    "fashion_mnist": ((1, 28, 28), 10),
-    "cifar10": ((3, 32, 32), 10),
-    "femnist": ((1, 28, 28), 62),
-}
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: str = "digits"
+    name: str = option("digits", InRegistry(DATASETS, "dataset"))
     data_dir: str | None = None
     download: bool = False
 
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionConfig:
+    """The ``partition`` section: these keys, plus the options of the partitioner ``name``."""
+
+    name: str
+    num_clients: int = option(10, at_least(1))
+    samples_per_client: int | None = option(None, at_least(2))
+    test_fraction: float = option(0.2, Interval(0, 1, closed="neither"))
+    options: Any  # the partitioner's own options dataclass, built from the section's other keys
+    val_fraction: float = 0.0  # of each client's samples, held out of training for model selection
+
     def validate(self, prefix: str) -> None:
+        # Its upper bound depends on test_fraction: the two together must leave training samples.
         require(
-            self.name in DATASETS,
-            join_key(prefix, "name"),
-            f"unknown dataset {describe(self.name)}; available: {', '.join(DATASETS)}",
+            0.0 <= self.val_fraction < 1.0 - self.test_fraction,
+            join_key(prefix, "val_fraction"),
+            f"must be in [0, 1 - test_fraction) = [0, {1.0 - self.test_fraction:g}), got {self.val_fraction}",
         )
 
 
-@dataclass(frozen=True)
-class PartitionConfig:
-    name: str
-    num_clients: int
-    samples_per_client: int | None
-    test_fraction: float
-    options: Any  # the partitioner's own options dataclass
-    val_fraction: float = 0.0
-
-
-PARTITION_COMMON = {"name", "num_clients", "samples_per_client", "test_fraction", "val_fraction"}
+# The section's own keys; the rest belong to the partitioner named.
+PARTITION_COMMON = set(config_keys(PartitionConfig)) - {"options"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str
-
-    def validate(self, prefix: str) -> None:
-        require(self.name not in RENAMED_MODELS, join_key(prefix, "name"), f"'{self.name}' {RENAMED_MODELS.get(self.name)}")
-        require(
-            self.name in MODELS,
-            join_key(prefix, "name"),
-            f"unknown model {describe(self.name)}; available: {', '.join(MODELS)}",
-        )
+    name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS))
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
+    epochs: int = option(1, at_least(1))
+    batch_size: int = option(32, at_least(1))
+    lr: float = option(0.05, above(0))
     optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    momentum: float = option(0.0, Interval(0, 1, closed="left"))
+    weight_decay: float = option(0.0, at_least(0))
     device: Literal["auto", "cpu", "cuda"] = "auto"
-
-    def validate(self, prefix: str) -> None:
-        require(self.epochs >= 1, join_key(prefix, "epochs"), f"must be >= 1, got {self.epochs}")
-        require(self.batch_size >= 1, join_key(prefix, "batch_size"), f"must be >= 1, got {self.batch_size}")
-        require(self.lr > 0, join_key(prefix, "lr"), f"must be > 0, got {self.lr}")
-        require(0 <= self.momentum < 1, join_key(prefix, "momentum"), f"must be in [0, 1), got {self.momentum}")
-        require(self.weight_decay >= 0, join_key(prefix, "weight_decay"), "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -101,14 +96,14 @@ class StrategyConfig:
 
 @dataclass(frozen=True)
 class SimulationConfig:
-    num_cpus_per_client: float = 1.0
-    num_gpus_per_client: float = 0.0
+    num_cpus_per_client: float = option(1.0, above(0))
+    num_gpus_per_client: float = option(0.0, at_least(0))
     # Fault injection for robustness studies: partition id -> rounds in which its fit raises.
     fail_fit: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Late joiners: partition id -> first round in which the client is online.
     join_round: dict[int, int] = field(default_factory=dict)
     # Seconds to wait for a client's reply (fit, evaluate, properties); null waits for Flower's TTL.
-    round_timeout_s: float | None = None
+    round_timeout_s: float | None = option(None, above(0))
     # Deterministic GPU kernels (cuDNN, cuBLAS workspace, torch's deterministic algorithms), so that a
     # seed fixes a CUDA run as it already fixes a CPU run; no effect on CPU results.
     deterministic: bool = False
@@ -117,39 +112,35 @@ class SimulationConfig:
     portable_numerics: bool = False
 
     def validate(self, prefix: str) -> None:
-        require(self.num_cpus_per_client > 0, join_key(prefix, "num_cpus_per_client"), "must be > 0")
-        require(self.num_gpus_per_client >= 0, join_key(prefix, "num_gpus_per_client"), "must be >= 0")
-        if self.round_timeout_s is not None:
-            require(self.round_timeout_s > 0, join_key(prefix, "round_timeout_s"), "must be > 0")
         for pid, first in self.join_round.items():
             require(first >= 1, join_key(prefix, f"join_round.{pid}"), "rounds start at 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
-    dataset: DatasetConfig
+    """The whole YAML: its sections, then the top-level keys, declared once here. A section left out
+    takes its defaults, except ``model``; ``partition`` (default iid) and ``strategy`` (default
+    fedavg) are built by :func:`build_config` from the partitioner / strategy they name."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     partition: PartitionConfig
     model: ModelConfig
-    client: ClientConfig
+    client: ClientConfig = field(default_factory=ClientConfig)
     strategy: StrategyConfig
-    simulation: SimulationConfig
-    seed: int = 0
-    rounds: int = 20
-    target_accuracy: float = 0.9
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    seed: int = option(0, at_least(0))
+    rounds: int = option(20, at_least(1))
+    target_accuracy: float = option(0.9, Interval(0, 1))
     output_dir: str = "outputs"
-    checkpoint_every: int = 0  # also checkpoint every N rounds (0: only at the end)
+    checkpoint_every: int = option(0, at_least(0))  # also checkpoint every N rounds (0: only at the end)
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        return DATASET_SHAPES[self.dataset.name][0]
+        return DATASETS[self.dataset.name].input_shape
 
     @property
     def num_classes(self) -> int:
-        return DATASET_SHAPES[self.dataset.name][1]
-
-
-TOP_LEVEL_SCALARS = ("seed", "rounds", "target_accuracy", "output_dir", "checkpoint_every")
-SECTIONS = ("dataset", "partition", "model", "client", "strategy", "simulation")
+        return DATASETS[self.dataset.name].num_classes
 
 
 # ---- YAML --------------------------------------------------------------------------
@@ -241,12 +232,11 @@ def _split_named_section(
     if not isinstance(raw, Mapping):
         raise ConfigError(section, f"expected a mapping of keys, got {describe(raw)}")
     name = raw.get("name")
-    require(name is not None, f"{section}.name", f"is required; one of {', '.join(registry)}")
-    require(
-        isinstance(name, str) and name in registry,
-        f"{section}.name",
-        f"unknown {section} {describe(name)}; available: {', '.join(registry)}",
-    )
+    if name is None:
+        raise ConfigError(f"{section}.name", f"is required; one of {', '.join(registry)}")
+    unknown = InRegistry(registry, section).violation(name)
+    if unknown:
+        raise ConfigError(f"{section}.name", unknown)
     own = set(config_keys(options_of(registry[name])))
     others = {key for entry in registry.values() for key in config_keys(options_of(entry))}
     common_values, option_values = {}, {}
@@ -263,50 +253,16 @@ def _split_named_section(
     return name, common_values, option_values
 
 
-@dataclass(frozen=True)
-class _PartitionCommon:
-    num_clients: int = 10
-    samples_per_client: int | None = None
-    test_fraction: float = 0.2
-    val_fraction: float = 0.0  # of each client's samples, held out of training for model selection
-
-    def validate(self, prefix: str) -> None:
-        require(self.num_clients >= 1, f"{prefix}.num_clients", f"must be >= 1, got {self.num_clients}")
-        if self.samples_per_client is not None:
-            require(self.samples_per_client >= 2, f"{prefix}.samples_per_client", "must be >= 2")
-        require(
-            0.0 < self.test_fraction < 1.0,
-            f"{prefix}.test_fraction",
-            f"must be in (0, 1), got {self.test_fraction}",
-        )
-        require(
-            0.0 <= self.val_fraction < 1.0 - self.test_fraction,
-            f"{prefix}.val_fraction",
-            f"must be in [0, 1 - test_fraction) = [0, {1.0 - self.test_fraction:g}), got {self.val_fraction}",
-        )
-
-
 def build_config(raw: Mapping[str, Any]) -> tuple[ExperimentConfig, list[str]]:
     """Validate a merged raw mapping; return the config and notes on ignored keys."""
     notes: list[str] = []
-    allowed = set(TOP_LEVEL_SCALARS) | set(SECTIONS)
-    for key in raw:
-        if key not in allowed:
-            raise ConfigError(str(key), unknown_key_message(str(key), sorted(allowed)))
-    scalars = from_mapping(_TopLevel, {k: raw[k] for k in TOP_LEVEL_SCALARS if k in raw})
-
     part_name, part_common, part_opts = _split_named_section(
         raw.get("partition", {"name": "iid"}), "partition", PARTITIONERS,
         lambda p: p.options, PARTITION_COMMON, notes,
     )
-    common = from_mapping(_PartitionCommon, {k: v for k, v in part_common.items() if k != "name"}, "partition")
-    partition = PartitionConfig(
-        name=part_name,
-        num_clients=common.num_clients,
-        samples_per_client=common.samples_per_client,
-        test_fraction=common.test_fraction,
-        val_fraction=common.val_fraction,
-        options=from_mapping(PARTITIONERS[part_name].options, part_opts, "partition"),
+    partition = from_mapping(
+        PartitionConfig, part_common, "partition",
+        built={"options": from_mapping(PARTITIONERS[part_name].options, part_opts, "partition")},
     )
     strat_name, _, strat_opts = _split_named_section(
         raw.get("strategy", {"name": "fedavg"}), "strategy", STRATEGIES,
@@ -315,32 +271,9 @@ def build_config(raw: Mapping[str, Any]) -> tuple[ExperimentConfig, list[str]]:
     strategy = StrategyConfig(strat_name, from_mapping(STRATEGIES[strat_name].Options, strat_opts, "strategy"))
     if "model" not in raw:
         raise ConfigError("model.name", f"is required; one of {', '.join(MODELS)}")
-    config = ExperimentConfig(
-        dataset=from_mapping(DatasetConfig, raw.get("dataset"), "dataset"),
-        partition=partition,
-        model=from_mapping(ModelConfig, raw.get("model"), "model"),
-        client=from_mapping(ClientConfig, raw.get("client"), "client"),
-        strategy=strategy,
-        simulation=from_mapping(SimulationConfig, raw.get("simulation"), "simulation"),
-        **dataclasses.asdict(scalars),
-    )
+    config = from_mapping(ExperimentConfig, raw, built={"partition": partition, "strategy": strategy})
     _check_experiment(config)
     return config, notes
-
-
-@dataclass(frozen=True)
-class _TopLevel:
-    seed: int = 0
-    rounds: int = 20
-    target_accuracy: float = 0.9
-    output_dir: str = "outputs"
-    checkpoint_every: int = 0
-
-    def validate(self, prefix: str) -> None:
-        require(self.rounds >= 1, "rounds", f"must be >= 1, got {self.rounds}")
-        require(0.0 <= self.target_accuracy <= 1.0, "target_accuracy", f"must be in [0, 1], got {self.target_accuracy}")
-        require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
-        require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
 
 def _check_experiment(config: ExperimentConfig) -> None:
@@ -359,9 +292,8 @@ def _check_experiment(config: ExperimentConfig) -> None:
     for key, mapping in (("simulation.fail_fit", config.simulation.fail_fit), ("simulation.join_round", config.simulation.join_round)):
         for pid in mapping:
             require(0 <= pid < num_clients, f"{key}.{pid}", f"partition ids run from 0 to {num_clients - 1}")
-    check = getattr(config.strategy.options, "check_experiment", None)
-    if callable(check):
-        check(config)
+    check_in_experiment(config.partition.options, config, "partition")
+    check_in_experiment(config.strategy.options, config, "strategy")
 
 
 def load_config(

@@ -66,20 +66,21 @@ RESNET18_FILE = "resnet18-f37072fd.pth"
 RESNET18_URL = f"https://download.pytorch.org/models/{RESNET18_FILE}"
 
 
-def check_weights_file(weights: str | None) -> Path:
-    """The pretrained backbone's weights file, which must exist (this project never downloads)."""
+def check_weights_file(weights: str | None, key: str = "strategy.pretrained_weights") -> Path:
+    """The pretrained backbone's weights file, which must exist (this project never downloads);
+    ``key`` is the option that names it, for the error."""
     if not weights:
         raise ConfigError(
-            "strategy.pretrained_weights",
+            key,
             f"features 'pretrained' needs the path of torchvision's ImageNet ResNet-18 weights ({RESNET18_FILE}, "
             f"from {RESNET18_URL}); nothing is downloaded",
         )
     path = Path(weights).expanduser()
     if not path.is_file():
         raise ConfigError(
-            "strategy.pretrained_weights",
+            key,
             f"expected the ImageNet ResNet-18 weights at {path}, which does not exist: download torchvision's "
-            f"{RESNET18_FILE} from {RESNET18_URL} and put it there (or set strategy.pretrained_weights to where it is)",
+            f"{RESNET18_FILE} from {RESNET18_URL} and put it there (or set {key} to where it is)",
         )
     return path
 

@@ -4,16 +4,31 @@ Every user-facing option of fedcluster is a field of a frozen dataclass. This mo
 turns the nested dicts read from YAML (plus overrides) into those dataclasses and
 reports the first problem as a :class:`ConfigError` that says which dotted key is
 wrong, what was expected and what was given.
+
+What a valid value is, is declared next to the field rather than checked by hand
+(see "declared constraints" below):
+
+* the type: ``Literal`` for a choice, ``X | None`` where null is allowed;
+* per field, constraints: ``client_fraction: float = option(0.1, Interval(0, 1, closed="right"))``;
+* per class, ``rules``: what spans fields (``ExactlyOne("threshold", "num_clusters")``,
+  ``OnlyWith``, ``RequiredWith``, ``NoMoreThan``, ``LessThan``), checked when the section is built;
+* per class, ``experiment_rules``: the same against the whole experiment config, e.g.
+  ``NoMoreThan("num_clusters", "partition.num_clients")``, checked once every section is built.
+
+A check that genuinely needs code stays a ``validate(prefix)`` / ``check_experiment(config,
+prefix)`` method; it runs after the declared ones, so it may rely on them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -59,14 +74,24 @@ def config_keys(cls: type) -> list[str]:
     return [config_key(f) for f in dataclasses.fields(cls) if f.init]
 
 
-def from_mapping(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``, checking keys and value types.
+def option_key(options: Any, name: str, prefix: str = "") -> str:
+    """The dotted key of field ``name`` of ``options`` (its YAML key, under ``prefix``)."""
+    field = next(f for f in dataclasses.fields(options) if f.name == name)
+    return join_key(prefix, config_key(field))
 
-    Missing keys take the field's default; unknown keys, wrong types and values
-    outside a ``Literal`` are errors. After construction, a ``validate()`` method on
-    ``cls`` (if any) is called with ``prefix`` so it can check ranges.
+
+def from_mapping(
+    cls: type[T], data: Mapping[str, Any] | None, prefix: str = "", *, built: Mapping[str, Any] | None = None
+) -> T:
+    """Build dataclass ``cls`` from ``data``, checking keys, value types and declared constraints.
+
+    Missing keys take the field's default; unknown keys, wrong types and values outside a
+    ``Literal`` are errors. ``built`` holds fields the caller built itself (a section's own
+    options dataclass), taken as they are. The built instance is then checked by
+    :func:`check_declared` under ``prefix``.
     """
     data = {} if data is None else data
+    built = {} if built is None else built
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping of keys, got {describe(data)}")
     hints = typing.get_type_hints(cls)
@@ -77,14 +102,14 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "")
     values: dict[str, Any] = {}
     for name, field in fields.items():
         key = join_key(prefix, name)
-        if name in data:
+        if field.name in built:
+            values[field.name] = built[field.name]
+        elif name in data:
             values[field.name] = coerce(data[name], hints[field.name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(key, "is required")
     instance = cls(**values)
-    validate = getattr(instance, "validate", None)
-    if callable(validate):
-        validate(prefix)
+    check_declared(instance, prefix)
     return instance
 
 
@@ -170,3 +195,332 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return from_mapping(hint, value, key)
     raise TypeError(f"unsupported config type {hint!r} for {key}")  # programming error
+
+
+# ---- declared constraints ----------------------------------------------------------------
+
+CONSTRAINTS = "constraints"  # the field metadata entry option() fills and check_declared reads
+NOTE = "note"
+REQUIRED: Any = dataclasses.MISSING  # option(REQUIRED, ...): the key has no default
+
+
+class Constraint(Protocol):
+    """What a field's value must satisfy; declared with :func:`option`."""
+
+    def violation(self, value: Any) -> str | None:
+        """What is wrong with ``value`` (never None), or None when nothing is."""
+
+
+def option(default: Any = REQUIRED, *constraints: Constraint, key: str | None = None, note: str | None = None) -> Any:
+    """A dataclass field whose value must satisfy ``constraints``.
+
+    ``count: int = option(1, at_least(1))`` declares the YAML key ``count`` with default 1, and
+    building the dataclass from a mapping fails with ``<prefix>.count: must be >= 1, got 0``.
+    A None value is left alone (the ``X | None`` type already says whether null is allowed).
+    ``key``: the YAML key where the field's name cannot be it (``lambda``, a Python keyword).
+    ``note``: what special values mean, added to every constraint error of the field.
+    """
+    metadata: dict[str, Any] = {}
+    if constraints:
+        metadata[CONSTRAINTS] = constraints
+    if key is not None:
+        metadata["key"] = key
+    if note is not None:
+        metadata[NOTE] = note
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Numbers from ``low`` to ``high``, None leaving that side unbounded; ``closed`` names the
+    ends that belong to it: ``Interval(0, 1, closed="right")`` is (0, 1]. NaN is never inside."""
+
+    low: float | None
+    high: float | None
+    closed: Literal["both", "left", "right", "neither"] = "both"
+
+    def __post_init__(self) -> None:  # declaration mistakes, caught at import
+        if self.closed not in ("both", "left", "right", "neither"):
+            raise ValueError(f"closed must be both, left, right or neither, got {self.closed!r}")
+        if self.low is None and self.high is None:
+            raise ValueError("an interval needs at least one bound")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"empty interval: {self.low} > {self.high}")
+
+    @property
+    def _left_closed(self) -> bool:
+        return self.closed in ("both", "left")
+
+    @property
+    def _right_closed(self) -> bool:
+        return self.closed in ("both", "right")
+
+    def __contains__(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if self.low is not None and (value < self.low or (value == self.low and not self._left_closed)):
+            return False
+        return self.high is None or value < self.high or (value == self.high and self._right_closed)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>=' if self._left_closed else '>'} {self.low:g}"
+        if self.low is None:
+            return f"{'<=' if self._right_closed else '<'} {self.high:g}"
+        left, right = "[" if self._left_closed else "(", "]" if self._right_closed else ")"
+        return f"in {left}{self.low:g}, {self.high:g}{right}"
+
+    def violation(self, value: float) -> str | None:
+        return None if value in self else f"must be {self}, got {describe(value)}"
+
+
+def at_least(low: float) -> Interval:
+    """``low`` or more: [low, inf)."""
+    return Interval(low, None, closed="left")
+
+
+def above(low: float) -> Interval:
+    """More than ``low``: (low, inf)."""
+    return Interval(low, None, closed="neither")
+
+
+@dataclass(frozen=True, eq=False)
+class InRegistry:
+    """A name among the keys of ``registry``; ``what`` names the kind (``unknown model 'x'``) and
+    ``retired`` maps former names to what became of them."""
+
+    registry: Mapping[str, Any]
+    what: str
+    retired: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def violation(self, value: Any) -> str | None:
+        if isinstance(value, str) and value in self.retired:
+            return f"'{value}' {self.retired[value]}"
+        if isinstance(value, str) and value in self.registry:
+            return None
+        return f"unknown {self.what} {describe(value)}; available: {', '.join(self.registry)}"
+
+
+def as_yaml(value: Any) -> str:
+    """A value as it is written in YAML (``true``, ``null``, ``random_projection``), for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+# Conditions on one field of an options instance, for the rules below.
+
+
+class Condition(Protocol):
+    name: str  # the field it looks at
+
+    def holds(self, options: Any) -> bool: ...
+
+    def text(self, options: Any) -> str:
+        """The condition as a user reads it: ``features random_projection``."""
+
+
+@dataclass(frozen=True, init=False)
+class Is:
+    """Field ``name`` holds one of ``values``: ``Is("features", "random_projection")``."""
+
+    name: str
+    values: tuple[Any, ...]
+
+    def __init__(self, name: str, *values: Any) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "values", values)
+
+    def holds(self, options: Any) -> bool:
+        return getattr(options, self.name) in self.values
+
+    def text(self, options: Any) -> str:
+        return f"{option_key(options, self.name)} {' or '.join(map(as_yaml, self.values))}"
+
+
+class IsNot(Is):
+    """Field ``name`` holds none of ``values``: ``IsNot("two_hop_estimate", "paper")``."""
+
+    def holds(self, options: Any) -> bool:
+        return not super().holds(options)
+
+    def text(self, options: Any) -> str:
+        return f"{option_key(options, self.name)} other than {' or '.join(map(as_yaml, self.values))}"
+
+
+@dataclass(frozen=True)
+class Given:
+    """Field ``name`` is given: not None."""
+
+    name: str
+
+    def holds(self, options: Any) -> bool:
+        return getattr(options, self.name) is not None
+
+    def text(self, options: Any) -> str:
+        return option_key(options, self.name)
+
+
+# Rules: class-level declarations of what spans fields. Each names fields by their Python names
+# and raises a ConfigError on the dotted key of the field at fault. ``message``, where a rule
+# takes one, replaces the generated text: a str.format template over the options' fields (and
+# ``bound`` for the comparisons), for wording that explains why.
+
+
+class Rule(Protocol):
+    def check(self, options: Any, prefix: str, context: Any) -> None:
+        """Raise a ConfigError unless ``options`` (the section under ``prefix``) satisfies the rule.
+        ``context`` is what dotted bounds are read from: the options themselves in ``rules``, the
+        experiment config in ``experiment_rules``."""
+
+
+def _fill(template: str, options: Any, **extra: Any) -> str:
+    return template.format(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}, **extra)
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+@dataclass(frozen=True, init=False)
+class ExactlyOne:
+    """Exactly one of the fields ``names`` is given (not None); the error names the first."""
+
+    names: tuple[str, ...]
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "names", names)
+
+    def check(self, options: Any, prefix: str, context: Any) -> None:
+        given = [n for n in self.names if getattr(options, n) is not None]
+        if len(given) == 1:
+            return
+        if not given:
+            got = "neither" if len(self.names) == 2 else "none"
+        else:
+            got = _and([f"{option_key(options, n)} {describe(getattr(options, n))}" for n in given])
+        keys = [option_key(options, n, prefix) for n in self.names]
+        raise ConfigError(keys[0], f"give exactly one of {_and(keys)}; got {got}")
+
+
+@dataclass(frozen=True)
+class OnlyWith:
+    """``subject`` may hold only together with ``condition``. ``subject`` is a field name (the field
+    is given) or a :class:`Condition` (``Is("linkage", "ward")``); the error names its field."""
+
+    subject: str | Condition
+    condition: Condition
+    message: str | None = None
+
+    def check(self, options: Any, prefix: str, context: Any) -> None:
+        subject = Given(self.subject) if isinstance(self.subject, str) else self.subject
+        if not subject.holds(options) or self.condition.holds(options):
+            return
+        actual = f"{option_key(options, self.condition.name)} is {as_yaml(getattr(options, self.condition.name))}"
+        generated = f"only {self.condition.text(options)} takes {subject.text(options)} ({actual})"
+        message = _fill(self.message, options) if self.message else generated
+        raise ConfigError(option_key(options, subject.name, prefix), message)
+
+
+@dataclass(frozen=True)
+class RequiredWith:
+    """Field ``name`` must be given (not None) when ``condition`` holds."""
+
+    name: str
+    condition: Condition
+    message: str | None = None
+
+    def check(self, options: Any, prefix: str, context: Any) -> None:
+        if getattr(options, self.name) is not None or not self.condition.holds(options):
+            return
+        generated = f"{self.condition.text(options)} needs {option_key(options, self.name)}"
+        raise ConfigError(option_key(options, self.name, prefix), _fill(self.message, options) if self.message else generated)
+
+
+def lookup(source: Any, dotted: str) -> Any:
+    """The value at dotted key ``dotted`` of a config object: ``partition.num_clients``."""
+    for part in dotted.split("."):
+        source = getattr(source, part)
+    return source
+
+
+@dataclass(frozen=True)
+class _Comparison:
+    """Field ``name``, where given, compared with the value at ``bound``: another field of the
+    options (in ``rules``) or a dotted key of the experiment config (``partition.num_clients``, in
+    ``experiment_rules``). ``why`` is added to the generated message."""
+
+    name: str
+    bound: str
+    why: str | None = None
+    message: str | None = None
+    expectation: ClassVar[str]
+
+    def allows(self, value: Any, bound: Any) -> bool:
+        raise NotImplementedError
+
+    def check(self, options: Any, prefix: str, context: Any) -> None:
+        value, bound = getattr(options, self.name), lookup(context, self.bound)
+        if value is None or self.allows(value, bound):
+            return
+        if self.message:
+            message = _fill(self.message, options, bound=bound)
+        else:
+            why = f": {self.why}" if self.why else ""
+            message = f"{self.expectation} {self.bound} ({bound}){why}; got {describe(value)}"
+        raise ConfigError(option_key(options, self.name, prefix), message)
+
+
+class NoMoreThan(_Comparison):
+    """Field ``name`` is at most the value at ``bound``: ``NoMoreThan("num_kept", "num_neighbours")``."""
+
+    expectation = "cannot exceed"
+
+    def allows(self, value: Any, bound: Any) -> bool:
+        return value <= bound
+
+
+class LessThan(_Comparison):
+    """Field ``name`` is below the value at ``bound``: ``LessThan("warmup_rounds", "rounds")``."""
+
+    expectation = "must be below"
+
+    def allows(self, value: Any, bound: Any) -> bool:
+        return value < bound
+
+
+def declared_rules(cls: type, attribute: str) -> list[Rule]:
+    """The rules ``cls`` and its bases declare in class attribute ``attribute``, bases first: a
+    subclass's options obey its parents' rules too."""
+    return [rule for klass in reversed(cls.__mro__) for rule in vars(klass).get(attribute, ())]
+
+
+def check_declared(options: Any, prefix: str = "") -> None:
+    """Check a built options dataclass against its declarations, in this order: each field's
+    constraints (field order), the class's ``rules``, then its ``validate(prefix)`` method if any."""
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if value is None:
+            continue
+        for constraint in field.metadata.get(CONSTRAINTS, ()):
+            problem = constraint.violation(value)
+            if problem is not None:
+                note = field.metadata.get(NOTE)
+                raise ConfigError(join_key(prefix, config_key(field)), f"{problem} ({note})" if note else problem)
+    for rule in declared_rules(type(options), "rules"):
+        rule.check(options, prefix, options)
+    validate = getattr(options, "validate", None)
+    if callable(validate):
+        validate(prefix)
+
+
+def check_in_experiment(options: Any, config: Any, prefix: str) -> None:
+    """Check the options of section ``prefix`` against the whole experiment ``config``: the class's
+    ``experiment_rules``, then its ``check_experiment(config, prefix)`` method if any."""
+    for rule in declared_rules(type(options), "experiment_rules"):
+        rule.check(options, prefix, config)
+    check = getattr(options, "check_experiment", None)
+    if callable(check):
+        check(config, prefix)

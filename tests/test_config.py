@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -55,12 +56,56 @@ def test_resolved_config_round_trips():
     assert again == config and notes == []
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_conf_file_loads_and_its_resolved_config_round_trips(path, tmp_path, monkeypatch):
+    # a home holding torchvision's ResNet-18 file where the pretrained-feature conf expects it
+    monkeypatch.setenv("HOME", str(tmp_path))
+    weights = tmp_path / ".cache" / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    weights.parent.mkdir(parents=True)
+    weights.touch()
+    config, _ = load_config(path)
+    again, notes = build_config(config_to_dict(config))
+    assert again == config and notes == []
+
+
 def test_a_paper_key_that_is_a_python_keyword_round_trips():
     config, notes = load("strategy.name=gradloss", "strategy.lambda=0.5")
     assert config.strategy.options.lambda_ == 0.5 and "strategy.threshold ignored" in " ".join(notes)
     plain = config_to_dict(config)
     assert plain["strategy"]["lambda"] == 0.5 and "lambda_" not in plain["strategy"]
     assert build_config(plain)[0] == config
+
+
+def test_the_configs_dataset_facts_are_those_of_the_loaded_pool():
+    """The config checks models against the registry's shapes without loading data; the bundled
+    dataset's pool must agree with them (the others are checked where their files are faked)."""
+    from fedcluster_flwr.data import DATASETS, load_pool
+
+    config, _ = load("dataset.name=digits")
+    pool = load_pool("digits")
+    assert (config.input_shape, config.num_classes) == (pool.input_shape, pool.num_classes)
+    assert DATASETS["digits"].input_shape == pool.input_shape
+
+
+def all_options_classes():
+    from fedcluster_flwr.data.partitions import PARTITIONERS
+    from fedcluster_flwr.strategies import STRATEGIES
+
+    return {cls for s in STRATEGIES.values() for cls in s.Options.__mro__ if dataclasses.is_dataclass(cls)} | {
+        p.options for p in PARTITIONERS.values()}
+
+
+def test_a_field_redeclared_in_a_subclass_keeps_its_bases_constraints():
+    """A subclass that changes a default redeclares the field, and the field's metadata with it: it
+    must declare the same constraints (GradLossOptions.selection_batch), or they would be lost."""
+    for cls in all_options_classes():
+        for base in cls.__mro__[1:]:
+            if not dataclasses.is_dataclass(base):
+                continue
+            ours = {f.name: f.metadata for f in dataclasses.fields(cls)}
+            for field in dataclasses.fields(base):
+                assert ours[field.name].get("constraints") == field.metadata.get("constraints"), (
+                    f"{cls.__name__}.{field.name} drops the constraints {base.__name__} declares")
 
 
 def test_yaml_reads_exponent_floats(tmp_path):

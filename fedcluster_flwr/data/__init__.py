@@ -1,6 +1,6 @@
 """Datasets (loaded once per process) and partitioners with true cluster ids."""
 
-from .datasets import DATASETS, DataError, DatasetPool, load_pool, resolve_data_dir
+from .datasets import DATASETS, DataError, DatasetFacts, DatasetPool, load_pool, resolve_data_dir
 from .partitions import PARTITIONERS, ClientTransform, Partition, cluster_names, make_partition
 
 __all__ = [
@@ -8,6 +8,7 @@ __all__ = [
     "PARTITIONERS",
     "ClientTransform",
     "DataError",
+    "DatasetFacts",
     "DatasetPool",
     "Partition",
     "cluster_names",

@@ -21,7 +21,23 @@ import torch
 from .partitions import ClientTransform
 
 DATA_DIR_ENV = "FEDCLUSTER_DATA_DIR"
-DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "femnist")
+
+
+@dataclass(frozen=True)
+class DatasetFacts:
+    """What is known of a dataset without loading it: the config checks models against these."""
+
+    input_shape: tuple[int, int, int]  # (C, H, W) of one image
+    num_classes: int
+
+
+DATASETS: dict[str, DatasetFacts] = {
+    "digits": DatasetFacts((1, 8, 8), 10),
+    "mnist": DatasetFacts((1, 28, 28), 10),
+    "fashion_mnist": DatasetFacts((1, 28, 28), 10),
+    "cifar10": DatasetFacts((3, 32, 32), 10),
+    "femnist": DatasetFacts((1, 28, 28), 62),
+}
 
 
 class DataError(RuntimeError):
@@ -110,7 +126,7 @@ def _load_digits() -> DatasetPool:
         name="digits",
         images=images,
         labels=bunch.target.astype(np.int64),
-        num_classes=10,
+        num_classes=DATASETS["digits"].num_classes,
         scale=16.0,
         mean=(0.305,),
         std=(0.375,),
@@ -139,7 +155,7 @@ def _load_torchvision_gray(name: str, root: Path, download: bool) -> DatasetPool
         ) from None
     images = torch.cat([s.data for s in splits]).unsqueeze(1)
     labels = torch.cat([s.targets for s in splits]).numpy().astype(np.int64)
-    return DatasetPool(name, images, labels, 10, 255.0, (mean,), (std,))
+    return DatasetPool(name, images, labels, DATASETS[name].num_classes, 255.0, (mean,), (std,))
 
 
 CIFAR_FOLDER = "cifar-10-batches-py"
@@ -164,7 +180,7 @@ def _load_cifar10(root: Path, download: bool) -> DatasetPool:
         with open(folder / batch, "rb") as handle:
             entry = pickle.load(handle, encoding="latin1")
         try:
-            images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, *DATASETS["cifar10"].input_shape))
             labels.append(np.asarray(entry.get("labels", entry.get("fine_labels")), dtype=np.int64))
         except (KeyError, TypeError, ValueError) as err:
             raise DataError(f"cifar10: {folder / batch} is not a CIFAR-10 python batch ({err})") from None
@@ -172,7 +188,7 @@ def _load_cifar10(root: Path, download: bool) -> DatasetPool:
         name="cifar10",
         images=torch.from_numpy(np.concatenate(images)),
         labels=np.concatenate(labels),
-        num_classes=10,
+        num_classes=DATASETS["cifar10"].num_classes,
         scale=255.0,
         mean=(0.4914, 0.4822, 0.4465),
         std=(0.2470, 0.2435, 0.2616),
@@ -199,7 +215,7 @@ def _load_femnist(root: Path) -> DatasetPool:
             blob = json.loads(path.read_text())
             for user in blob["users"]:
                 record = blob["user_data"][user]
-                x = np.asarray(record["x"], dtype=np.float32).reshape(-1, 1, 28, 28)
+                x = np.asarray(record["x"], dtype=np.float32).reshape(-1, *DATASETS["femnist"].input_shape)
                 y = np.asarray(record["y"], dtype=np.int64)
                 if len(x) != len(y):
                     raise ValueError(f"user {user}: {len(x)} images but {len(y)} labels")
@@ -214,7 +230,7 @@ def _load_femnist(root: Path) -> DatasetPool:
         name="femnist",
         images=torch.from_numpy(np.concatenate(images)),
         labels=all_labels,
-        num_classes=62,
+        num_classes=DATASETS["femnist"].num_classes,
         scale=1.0,
         mean=(0.9637,),
         std=(0.1592,),

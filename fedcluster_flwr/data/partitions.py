@@ -11,14 +11,13 @@ Partitions are pure functions of (labels, options, seed).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..schema import ConfigError, require
+from ..schema import ConfigError, Interval, above, at_least, join_key, option, require
 
 
 @dataclass(frozen=True)
@@ -56,31 +55,27 @@ class IidOptions:
 class PathologicalOptions:
     """Sort by label, cut into shards, give each client `labels_per_client` shards."""
 
-    labels_per_client: int = 2
-
-    def validate(self, prefix: str) -> None:
-        require(self.labels_per_client >= 1, f"{prefix}.labels_per_client", "must be >= 1")
+    labels_per_client: int = option(2, at_least(1))
 
 
 @dataclass(frozen=True)
 class LabelSwapOptions:
     """IID split into `num_groups` groups; group g swaps the label pair `swaps[g]`."""
 
-    num_groups: int = 4
+    num_groups: int = option(4, at_least(1))
     swaps: tuple[tuple[int, ...], ...] | None = None
 
     def validate(self, prefix: str) -> None:
-        require(self.num_groups >= 1, f"{prefix}.num_groups", "must be >= 1")
         if self.swaps is not None:
             require(
                 len(self.swaps) == self.num_groups,
-                f"{prefix}.swaps",
+                join_key(prefix, "swaps"),
                 f"needs one label pair per group ({self.num_groups}), got {len(self.swaps)}",
             )
             for g, pair in enumerate(self.swaps):
                 require(
                     len(pair) == 2 and pair[0] != pair[1],
-                    f"{prefix}.swaps[{g}]",
+                    join_key(prefix, f"swaps[{g}]"),
                     f"expected two different labels, got {list(pair)}",
                 )
 
@@ -97,8 +92,8 @@ class RotationOptions:
     cluster_sizes: tuple[int, ...] | None = None
 
     def validate(self, prefix: str) -> None:
-        require(len(self.angles) >= 1, f"{prefix}.angles", "needs at least one angle")
-        _check_sizes(self.cluster_sizes, len(self.angles), prefix, "angles")
+        require(len(self.angles) >= 1, join_key(prefix, "angles"), "needs at least one angle")
+        _check_one_per_entry(self.cluster_sizes, "size", "angles", len(self.angles), join_key(prefix, "cluster_sizes"))
 
     def cluster_name(self, k: int) -> str:
         return f"{self.angles[k]:g}°"
@@ -110,18 +105,13 @@ class LabelGroupsOptions:
 
     groups: tuple[tuple[int, ...], ...] = ((0, 1, 8, 9), (2, 3, 4, 5, 6, 7))
     cluster_sizes: tuple[int, ...] | None = None
-    minority_fraction: float = 0.1
+    minority_fraction: float = option(0.1, Interval(0, 1, closed="left"))
 
     def validate(self, prefix: str) -> None:
-        require(len(self.groups) >= 2, f"{prefix}.groups", "needs at least two label groups")
+        require(len(self.groups) >= 2, join_key(prefix, "groups"), "needs at least two label groups")
         for k, group in enumerate(self.groups):
-            require(len(group) >= 1, f"{prefix}.groups[{k}]", "is empty")
-        require(
-            0.0 <= self.minority_fraction < 1.0,
-            f"{prefix}.minority_fraction",
-            f"must be in [0, 1), got {self.minority_fraction}",
-        )
-        _check_sizes(self.cluster_sizes, len(self.groups), prefix, "groups")
+            require(len(group) >= 1, join_key(prefix, f"groups[{k}]"), "is empty")
+        _check_one_per_entry(self.cluster_sizes, "size", "groups", len(self.groups), join_key(prefix, "cluster_sizes"))
 
     def cluster_name(self, k: int) -> str:
         return "labels " + ",".join(map(str, self.groups[k]))
@@ -142,14 +132,11 @@ class ClassSubsetsOptions:
     cluster_samples: tuple[int, ...] | None = None
 
     def validate(self, prefix: str) -> None:
-        require(len(self.subsets) >= 1, f"{prefix}.subsets", "needs at least one class subset")
+        require(len(self.subsets) >= 1, join_key(prefix, "subsets"), "needs at least one class subset")
         for k, subset in enumerate(self.subsets):
-            require(len(subset) >= 1, f"{prefix}.subsets[{k}]", "is empty")
-        _check_sizes(self.cluster_sizes, len(self.subsets), prefix, "subsets")
-        if self.cluster_samples is not None:
-            require(len(self.cluster_samples) == len(self.subsets), f"{prefix}.cluster_samples",
-                    f"needs one total per entry of subsets ({len(self.subsets)}), got {len(self.cluster_samples)}")
-            require(all(s >= 1 for s in self.cluster_samples), f"{prefix}.cluster_samples", "totals must be >= 1")
+            require(len(subset) >= 1, join_key(prefix, f"subsets[{k}]"), "is empty")
+        for name, item in (("cluster_sizes", "size"), ("cluster_samples", "total")):
+            _check_one_per_entry(getattr(self, name), item, "subsets", len(self.subsets), join_key(prefix, name))
 
     def cluster_name(self, k: int) -> str:
         return "classes " + ",".join(map(str, self.subsets[k]))
@@ -159,12 +146,8 @@ class ClassSubsetsOptions:
 class DirichletOptions:
     """Each class is split over clients with proportions ~ Dir(alpha)."""
 
-    alpha: float = 0.5
-    min_samples: int = 10
-
-    def validate(self, prefix: str) -> None:
-        require(self.alpha > 0, f"{prefix}.alpha", f"must be > 0, got {self.alpha}")
-        require(self.min_samples >= 2, f"{prefix}.min_samples", "must be >= 2")
+    alpha: float = option(0.5, above(0))
+    min_samples: int = option(10, at_least(2))
 
 
 @dataclass(frozen=True)
@@ -172,15 +155,14 @@ class NaturalOptions:
     """One client per writer (FEMNIST/LEAF); writers drawn at random."""
 
 
-def _check_sizes(sizes: Sequence[int] | None, expected: int, prefix: str, what: str) -> None:
-    if sizes is None:
+def _check_one_per_entry(values: Sequence[int] | None, item: str, entries: str, count: int, key: str) -> None:
+    """``values``, where given, holds one positive ``item`` (a cluster's size, its sample total) per
+    entry of the option ``entries`` (angles, groups, subsets: one per true cluster), ``count`` of them.
+    A length that depends on another option is structure, not a range, so it stays code."""
+    if values is None:
         return
-    require(
-        len(sizes) == expected,
-        f"{prefix}.cluster_sizes",
-        f"needs one size per entry of {what} ({expected}), got {len(sizes)}",
-    )
-    require(all(s >= 1 for s in sizes), f"{prefix}.cluster_sizes", "sizes must be >= 1")
+    require(len(values) == count, key, f"needs one {item} per entry of {entries} ({count}), got {len(values)}")
+    require(all(v >= 1 for v in values), key, f"{item}s must be >= 1")
 
 
 # ---- building blocks ---------------------------------------------------------------
@@ -559,7 +541,3 @@ def cluster_names(options: Any, num_clusters: int) -> tuple[str, ...]:
     options; "cluster k" where a partitioner's clusters have no other name."""
     name = getattr(options, "cluster_name", None)
     return tuple(name(k) if callable(name) else f"cluster {k}" for k in range(num_clusters))
-
-
-def option_fields(name: str) -> list[str]:
-    return [f.name for f in dataclasses.fields(PARTITIONERS[name].options)]

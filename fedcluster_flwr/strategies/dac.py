@@ -63,9 +63,9 @@ from ..protocol import MODELS, TRAIN
 from ..tasks import gossip
 from ..tasks.gossip import GOSSIP_TRAIN
 from ..results import plot_client_matrix
-from ..schema import require
+from ..schema import Is, IsNot, LessThan, NoMoreThan, OnlyWith, at_least, option, require
 from .core import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import require_fraction
+from .options import SHARE_OF_CLIENTS
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
@@ -74,24 +74,18 @@ PRETRAIN_PHASE = "pretrain"
 
 @dataclass(frozen=True)
 class GossipOptions:
-    num_neighbours: int = 5
-    client_fraction: float = 1.0
+    num_neighbours: int = option(5, at_least(1))
+    client_fraction: float = option(1.0, SHARE_OF_CLIENTS)
     same_init: bool = False
-    pretrain_epochs: int | None = None  # local epochs before the first exchange; None: client.epochs (the reference code's)
+    # local epochs before the first exchange; null takes client.epochs, as the reference code does
+    pretrain_epochs: int | None = option(None, at_least(0), note="0: no pretraining; null: client.epochs")
 
-    def validate(self, prefix: str) -> None:
-        require(self.num_neighbours >= 1, f"{prefix}.num_neighbours", f"must be >= 1, got {self.num_neighbours}")
-        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
-        if self.pretrain_epochs is not None:
-            require(self.pretrain_epochs >= 0, f"{prefix}.pretrain_epochs",
-                    f"must be >= 0 (0: no pretraining; null: client.epochs), got {self.pretrain_epochs}")
+    experiment_rules = (LessThan("num_neighbours", "partition.num_clients", why="a client never samples itself"),)
 
-    def check_experiment(self, config: Any) -> None:
-        require(self.num_neighbours < config.partition.num_clients, "strategy.num_neighbours",
-                f"must be below partition.num_clients ({config.partition.num_clients}): a client never samples itself")
+    def check_experiment(self, config: Any, prefix: str) -> None:
         if self.pretrain_epochs != 0:  # round 1 only pretrains
             require(config.rounds >= 2, "rounds",
-                    f"round 1 only pretrains (strategy.pretrain_epochs); give 2 or more, got {config.rounds}")
+                    f"round 1 only pretrains ({prefix}.pretrain_epochs); give 2 or more, got {config.rounds}")
 
 
 @dataclass(frozen=True)
@@ -99,41 +93,32 @@ class DACCommonOptions(GossipOptions):
     two_hop: bool = True
     two_hop_estimate: Literal["paper", "reference"] = "paper"
 
-    def validate(self, prefix: str) -> None:
-        super().validate(prefix)
-        require(self.two_hop or self.two_hop_estimate == "paper", f"{prefix}.two_hop_estimate",
-                f"'{self.two_hop_estimate}' chooses how two-hop estimates are made, but two_hop is false")
+    rules = (
+        OnlyWith(IsNot("two_hop_estimate", "paper"), Is("two_hop", True),
+                 message="'{two_hop_estimate}' chooses how two-hop estimates are made, but two_hop is false"),
+    )
 
 
 @dataclass(frozen=True)
 class DACOptions(DACCommonOptions):
-    tau: float = 30.0
-
-    def validate(self, prefix: str) -> None:
-        super().validate(prefix)
-        require(self.tau >= 0, f"{prefix}.tau", f"must be >= 0, got {self.tau}")
+    tau: float = option(30.0, at_least(0))
 
 
 @dataclass(frozen=True)
 class DACVarOptions(DACCommonOptions):
-    tau_max: float = 30.0
+    tau_max: float = option(30.0, at_least(0))
     tau_schedule: Literal["reference", "centred"] = "reference"
-
-    def validate(self, prefix: str) -> None:
-        super().validate(prefix)
-        require(self.tau_max >= 0, f"{prefix}.tau_max", f"must be >= 0, got {self.tau_max}")
 
 
 @dataclass(frozen=True)
 class PENSOptions(GossipOptions):
-    num_kept: int = 2  # m: of the num_neighbours (n) drawn in a selection round, the lowest-loss ones merged
-    selection_rounds: int = 10
+    num_kept: int = option(2, at_least(1))  # m: of the num_neighbours (n) drawn in a selection round, the lowest-loss ones merged
+    selection_rounds: int = option(10, at_least(1))
 
-    def validate(self, prefix: str) -> None:
-        super().validate(prefix)
-        require(1 <= self.num_kept <= self.num_neighbours, f"{prefix}.num_kept",
-                f"must be in 1..num_neighbours ({self.num_neighbours}): of the peers drawn, the ones kept; got {self.num_kept}")
-        require(self.selection_rounds >= 1, f"{prefix}.selection_rounds", f"must be >= 1, got {self.selection_rounds}")
+    rules = (
+        NoMoreThan("num_kept", "num_neighbours",
+                   message="must be in 1..num_neighbours ({bound}): of the peers drawn, the ones kept; got {num_kept}"),
+    )
 
 
 def reference_tau(t: float, tau: float) -> float:

@@ -12,18 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..protocol import MODELS, TRAIN
+from ..schema import option
 from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import require_fraction
+from .options import SHARE_OF_CLIENTS
 
 
 @dataclass(frozen=True)
 class FractionOptions:
     """Share of clients (per cluster, where there are clusters) that train each round."""
 
-    client_fraction: float = 0.1
-
-    def validate(self, prefix: str) -> None:
-        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
+    client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
 
 
 @dataclass(frozen=True)

@@ -31,60 +31,36 @@ from flwr.common import NDArrays, log
 
 from ..clustering import ClusteringRecord, HacResult, UpdateMatrix, flatten, hierarchical_clustering
 from ..protocol import MODEL
-from ..schema import require
+from ..schema import ExactlyOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
 from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import require_clusters_fit, require_fraction
+from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 
 
 @dataclass(frozen=True)
 class FLHCOptions:
     """FL+HC hyperparameters; names follow the paper (cf, n, distance, linkage, threshold)."""
 
-    client_fraction: float = 0.2
-    rounds_before_clustering: int = 10
+    client_fraction: float = option(0.2, SHARE_OF_CLIENTS)
+    rounds_before_clustering: int = option(10, at_least(0))
     distance: Literal["l1", "l2", "cosine"] = "l1"
     linkage: Literal["single", "complete", "average", "ward"] = "complete"
-    threshold: float | None = None
-    num_clusters: int | None = None
-    projection_dim: int | None = None
-    clustering_quorum: float = 0.5  # share of online clients whose updates the clustering needs
+    threshold: float | None = option(None, above(0))
+    num_clusters: int | None = option(None, at_least(1))
+    projection_dim: int | None = option(None, at_least(2))
+    clustering_quorum: float = option(0.5, SHARE_OF_CLIENTS)  # share of online clients whose updates the clustering needs
     save_updates: bool = False  # write the clustering round's update matrix to updates.npy
 
-    def validate(self, prefix: str) -> None:
-        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
-        require(self.rounds_before_clustering >= 0, f"{prefix}.rounds_before_clustering", "must be >= 0")
-        require(
-            (self.threshold is None) != (self.num_clusters is None),
-            f"{prefix}.threshold",
-            "give exactly one of strategy.threshold (a distance) and strategy.num_clusters",
-        )
-        if self.threshold is not None:
-            require(self.threshold > 0, f"{prefix}.threshold", f"must be > 0, got {self.threshold}")
-        if self.num_clusters is not None:
-            require(self.num_clusters >= 1, f"{prefix}.num_clusters", "must be >= 1")
-        require(
-            self.linkage != "ward" or self.distance == "l2",
-            f"{prefix}.linkage",
-            f"ward linkage needs distance l2 (it minimises Euclidean variance); got distance {self.distance}",
-        )
-        require_fraction(self.clustering_quorum, f"{prefix}.clustering_quorum")
-        if self.projection_dim is not None:
-            require(self.projection_dim >= 2, f"{prefix}.projection_dim", "must be >= 2")
-            require(
-                self.distance != "l1",
-                f"{prefix}.projection_dim",
-                "random projection preserves l2/cosine distances only; remove it for distance l1",
-            )
-
-    def check_experiment(self, config: Any) -> None:
-        require(
-            self.rounds_before_clustering < config.rounds,
-            "strategy.rounds_before_clustering",
-            f"the clustering round ({self.rounds_before_clustering + 1}) must fall within "
-            f"rounds ({config.rounds})",
-        )
-        if self.num_clusters is not None:
-            require_clusters_fit(self.num_clusters, config)
+    rules = (
+        ExactlyOne("threshold", "num_clusters"),
+        OnlyWith(Is("linkage", "ward"), Is("distance", "l2"),
+                 message="ward linkage needs distance l2 (it minimises Euclidean variance); got distance {distance}"),
+        OnlyWith("projection_dim", IsNot("distance", "l1"),
+                 message="random projection preserves l2/cosine distances only; remove it for distance l1"),
+    )
+    experiment_rules = (
+        LessThan("rounds_before_clustering", "rounds", why="the clustering round, one after it, must fall within rounds"),
+        CLUSTERS_FIT_CLIENTS,
+    )
 
 
 class FLHC(ClusteredStrategy):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -48,45 +48,38 @@ from .. import protocol
 from ..protocol import MODEL, MODELS, TRAIN, Task
 from ..tasks import selection
 from ..tasks.selection import DIRECTIONS, SELECT, TRAIN_SELECT
-from ..schema import require
+from ..schema import Interval, LessThan, above, at_least, option, require
 from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import require_clusters_fit, require_fraction
+from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 
 
 @dataclass(frozen=True)
 class IFCAOptions:
     """IFCA's options (the gradloss options add ``lambda``)."""
 
-    num_clusters: int = 4
-    client_fraction: float = 0.1
-    selection_batch: int | None = None  # samples the K losses are taken on; null: all training samples
+    num_clusters: int = option(4, at_least(1))
+    client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
+    selection_batch: int | None = option(None, at_least(1), note="null: all training samples")  # samples the K losses are taken on
     loss_reduction: Literal["mean", "sum"] = "mean"
     local_update: Literal["epochs", "one_step"] = "epochs"
     cluster_guard: Literal["none", "reseed_empty", "one_per_cluster"] = "none"
-    warmup_rounds: int = 0
-    warmup_noise: float = 0.01
+    warmup_rounds: int = option(0, at_least(0))
+    warmup_noise: float = option(0.01, above(0))
 
-    def validate(self, prefix: str) -> None:
-        require(self.num_clusters >= 1, f"{prefix}.num_clusters", f"must be >= 1, got {self.num_clusters}")
-        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
-        if self.selection_batch is not None:
-            require(self.selection_batch >= 1, f"{prefix}.selection_batch",
-                    f"must be >= 1 (or null for all training samples), got {self.selection_batch}")
-        require(self.warmup_rounds >= 0, f"{prefix}.warmup_rounds", f"must be >= 0, got {self.warmup_rounds}")
-        require(self.warmup_noise > 0, f"{prefix}.warmup_noise", f"must be > 0, got {self.warmup_noise}")
+    experiment_rules = (
+        CLUSTERS_FIT_CLIENTS,
+        LessThan("warmup_rounds", "rounds", why="warm-up must leave rounds for clustering"),
+    )
 
-    def check_experiment(self, config: Any) -> None:
-        require_clusters_fit(self.num_clusters, config)
-        require(self.warmup_rounds < config.rounds, "strategy.warmup_rounds",
-                f"must leave rounds for clustering: {self.warmup_rounds} of rounds ({config.rounds})")
+    def check_experiment(self, config: Any, prefix: str) -> None:
         if self.cluster_guard == "one_per_cluster":
             sampled = max(1, math.floor(self.client_fraction * config.partition.num_clients + 1e-9))
-            require(sampled >= self.num_clusters, "strategy.cluster_guard",
+            require(sampled >= self.num_clusters, f"{prefix}.cluster_guard",
                     f"one_per_cluster forces one sampled client into each of the {self.num_clusters} clusters, "
                     f"but client_fraction {self.client_fraction} samples only {sampled}")
         if self.local_update == "one_step":
             client = config.client
-            require(client.optimizer == "sgd" and client.momentum == 0 and client.weight_decay == 0, "strategy.local_update",
+            require(client.optimizer == "sgd" and client.momentum == 0 and client.weight_decay == 0, f"{prefix}.local_update",
                     "one_step takes one plain gradient step with client.lr: it needs client.optimizer sgd with "
                     f"momentum 0 and weight_decay 0 (got {client.optimizer}, momentum {client.momentum}, "
                     f"weight_decay {client.weight_decay})")
@@ -103,13 +96,9 @@ class IFCAOptions:
 class GradLossOptions(IFCAOptions):
     """Lin et al.: the paper's loss is a *sum* over a mini-batch, so the defaults take one."""
 
-    selection_batch: int | None = 50
+    selection_batch: int | None = option(50, at_least(1), note="null: all training samples")
     loss_reduction: Literal["mean", "sum"] = "sum"
-    lambda_: float = field(default=0.2, metadata={"key": "lambda"})
-
-    def validate(self, prefix: str) -> None:
-        super().validate(prefix)
-        require(0.0 <= self.lambda_ <= 1.0, f"{prefix}.lambda", f"must be in [0, 1], got {self.lambda_}")
+    lambda_: float = option(0.2, Interval(0, 1), key="lambda")
 
     def selection_config(self) -> dict[str, Scalar]:
         return super().selection_config() | {selection.LAMBDA_KEY: self.lambda_}

@@ -51,81 +51,60 @@ from ..protocol import MODEL
 from ..tasks import oneshot
 from ..tasks.oneshot import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ..results import plot_client_matrix
-from ..schema import require
+from ..schema import ExactlyOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
 from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import require_clusters_fit, require_fraction
+from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 
 
 @dataclass(frozen=True)
 class HFLOptions:
     """What every hierarchical variant shares: LPS sampling and the GPS's shared layers."""
 
-    client_fraction: float = 1.0  # of each LPS's members, per round
-    lps_rounds: int = 1  # the GPS averages the shared layers every lps_rounds training rounds
+    client_fraction: float = option(1.0, SHARE_OF_CLIENTS)  # of each LPS's members, per round
+    lps_rounds: int = option(1, at_least(1))  # the GPS averages the shared layers every lps_rounds training rounds
     shared_layers: tuple[str, ...] = ()  # parameter-name prefixes, e.g. [conv]
 
-    def validate(self, prefix: str) -> None:
-        require_fraction(self.client_fraction, f"{prefix}.client_fraction")
-        require(self.lps_rounds >= 1, f"{prefix}.lps_rounds", f"must be >= 1, got {self.lps_rounds}")
-
-    def check_experiment(self, config: Any) -> None:
+    def check_experiment(self, config: Any, prefix: str) -> None:
         names = parameter_names(model_outline(config.model.name, config.input_shape, config.num_classes))
-        parameters_with_prefixes(names, self.shared_layers, "strategy.shared_layers")
+        parameters_with_prefixes(names, self.shared_layers, f"{prefix}.shared_layers")
 
 
 @dataclass(frozen=True)
 class RandomClustersOptions(HFLOptions):
-    num_clusters: int = 2
+    num_clusters: int = option(2, at_least(1))
 
-    def validate(self, prefix: str) -> None:
-        super().validate(prefix)
-        require(self.num_clusters >= 1, f"{prefix}.num_clusters", f"must be >= 1, got {self.num_clusters}")
-
-    def check_experiment(self, config: Any) -> None:
-        super().check_experiment(config)
-        require_clusters_fit(self.num_clusters, config)
+    experiment_rules = (CLUSTERS_FIT_CLIENTS,)
 
 
 @dataclass(frozen=True)
 class OneShotOptions(HFLOptions):
     features: Literal["identity", "random_projection", "pretrained"] = "identity"
-    feature_dim: int | None = None  # random_projection only
+    feature_dim: int | None = option(None, at_least(1))  # random_projection only
     pretrained_weights: str | None = None  # pretrained only: a ResNet-18 state_dict on disk
-    num_eigenvectors: int = 5
+    num_eigenvectors: int = option(5, at_least(1))
     relevance: Literal["paper", "amiri"] = "paper"  # eq. 3 with the client's own eigenvalue; amiri: with j's
-    num_clusters: int | None = None
-    threshold: float | None = None  # on 1 - R, in [0, 1]
+    num_clusters: int | None = option(None, at_least(1))
+    threshold: float | None = option(None, Interval(0, 1, closed="neither"))  # on 1 - R
     linkage: Literal["single", "complete", "average"] = "average"
 
-    def validate(self, prefix: str) -> None:
-        super().validate(prefix)
-        require((self.num_clusters is None) != (self.threshold is None), f"{prefix}.num_clusters",
-                "give exactly one of strategy.num_clusters and strategy.threshold")
-        if self.num_clusters is not None:
-            require(self.num_clusters >= 1, f"{prefix}.num_clusters", f"must be >= 1, got {self.num_clusters}")
-        if self.threshold is not None:
-            require(0.0 < self.threshold < 1.0, f"{prefix}.threshold", f"must be in (0, 1), got {self.threshold}")
-        require(self.num_eigenvectors >= 1, f"{prefix}.num_eigenvectors", f"must be >= 1, got {self.num_eigenvectors}")
-        if self.features == "random_projection":
-            require(self.feature_dim is not None and self.feature_dim >= 1, f"{prefix}.feature_dim",
-                    "features random_projection needs feature_dim >= 1")
-        else:
-            require(self.feature_dim is None, f"{prefix}.feature_dim",
-                    f"only features random_projection takes a feature_dim (features is {self.features})")
-        if self.features == "pretrained":
-            check_weights_file(self.pretrained_weights)
-        else:
-            require(self.pretrained_weights is None, f"{prefix}.pretrained_weights",
-                    f"only features pretrained reads a weights file (features is {self.features})")
+    rules = (
+        ExactlyOne("num_clusters", "threshold"),
+        OnlyWith("feature_dim", Is("features", "random_projection")),
+        RequiredWith("feature_dim", Is("features", "random_projection")),
+        OnlyWith("pretrained_weights", Is("features", "pretrained")),
+    )
+    experiment_rules = (CLUSTERS_FIT_CLIENTS,)
 
-    def check_experiment(self, config: Any) -> None:
-        super().check_experiment(config)
+    def validate(self, prefix: str) -> None:
+        if self.features == "pretrained":  # the file must exist: nothing is downloaded
+            check_weights_file(self.pretrained_weights, join_key(prefix, "pretrained_weights"))
+
+    def check_experiment(self, config: Any, prefix: str) -> None:
+        super().check_experiment(config, prefix)
         require(config.rounds > 2, "rounds", f"oneshot_hfl spends rounds 1-2 on clustering; give more than 2, got {config.rounds}")
         dim = feature_dim(self.features, config.input_shape, self.feature_dim)
-        require(self.num_eigenvectors <= dim, "strategy.num_eigenvectors",
+        require(self.num_eigenvectors <= dim, f"{prefix}.num_eigenvectors",
                 f"cannot exceed the {dim} features of {self.features}")
-        if self.num_clusters is not None:
-            require_clusters_fit(self.num_clusters, config)
 
 
 class HierarchicalFL(ClusteredStrategy):

@@ -1,21 +1,12 @@
-"""Checks that several strategies' options dataclasses share (the config's ``strategy`` section).
-
-Each raises a :class:`~fedcluster_flwr.schema.ConfigError` naming the key and what was expected.
-"""
+"""Declarations several strategies' options dataclasses share (the config's ``strategy`` section)."""
 
 from __future__ import annotations
 
-from typing import Any
+from ..schema import Interval, NoMoreThan
 
-from ..schema import require
+# A share of clients (``client_fraction``, a quorum): some, at most all.
+SHARE_OF_CLIENTS = Interval(0, 1, closed="right")
 
-
-def require_fraction(value: float, key: str) -> None:
-    """A share of clients: in (0, 1]."""
-    require(0.0 < value <= 1.0, key, f"must be in (0, 1], got {value}")
-
-
-def require_clusters_fit(num_clusters: int, config: Any, key: str = "strategy.num_clusters") -> None:
-    """No more clusters than clients."""
-    clients = config.partition.num_clients
-    require(num_clusters <= clients, key, f"cannot exceed partition.num_clients ({clients})")
+# An experiment rule: no more clusters than clients. A cluster count left null (a distance
+# threshold decides it instead) passes.
+CLUSTERS_FIT_CLIENTS = NoMoreThan("num_clusters", "partition.num_clients")
