@@ -6,6 +6,7 @@ phases (FL+HC clusters in round 4, one-shot HFL in round 2, PENS selects in roun
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,9 @@ def case_config(case: str):
 def test_a_resumed_run_continues_bit_for_bit(case, tmp_path):
     config = case_config(case)
     whole = run_in_process(config, tmp_path / "whole")
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    for direction in ("bytes_up", "bytes_down"):  # the per-phase totals split the run's, nothing lost
+        assert sum(phase[direction] for phase in summary["bytes_by_phase"].values()) == summary[direction]
 
     stopped = tmp_path / "stopped"
     run_in_process(config, stopped, stop_after=STOP_AFTER.get(case, 4))

@@ -137,6 +137,15 @@ def plot_k_sweep(sweeps: list[dict], ks: tuple[int, ...], path: Path) -> None:
 # ---- Ray runs ------------------------------------------------------------------------------------
 
 
+def oneshot_bytes(summary: dict, direction: str) -> int:
+    """Traffic of the one-shot clustering rounds (``gram_eigen`` and ``relevance``), ``up`` or
+    ``down``; runs recorded before summary.json had ``bytes_by_phase`` carry it as ``oneshot_bytes_*``."""
+    if "bytes_by_phase" not in summary:
+        return summary[f"oneshot_bytes_{direction}"]
+    phases = summary["bytes_by_phase"]
+    return sum(phases.get(phase, {}).get(f"bytes_{direction}", 0) for phase in ("gram_eigen", "relevance"))
+
+
 def run_dir(out: Path, method: str, shared: bool, seed: int, relevance: str | None = None) -> Path:
     rule = f"_{relevance}" if relevance else ""
     return out / "runs" / f"{method}{rule}_{'shared' if shared else 'independent'}_seed{seed}"
@@ -228,8 +237,8 @@ def main() -> None:
         lines.append(
             f"| one-shot, `{rule}` | {mean_std([s['purity'] for s in runs], 2)} | {mean_std([s['ari'] for s in runs], 2)} | "
             f"{sum(s['ari'] == 1.0 for s in runs)}/{n} | {mean_std([s['relevance_within_true_clusters'] for s in runs])} | "
-            f"{mean_std([s['relevance_across_true_clusters'] for s in runs])} | {runs[0]['oneshot_bytes_up']:,} | "
-            f"{runs[0]['oneshot_bytes_down']:,} |")
+            f"{mean_std([s['relevance_across_true_clusters'] for s in runs])} | {oneshot_bytes(runs[0], 'up'):,} | "
+            f"{oneshot_bytes(runs[0], 'down'):,} |")
     lines += [
         f"| random | {mean_std([s['random'][RANDOM]['purity'] for s in sweeps], 2)} | "
         f"{mean_std([s['random'][RANDOM]['ari'] for s in sweeps], 2)} | "
