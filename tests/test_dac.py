@@ -7,57 +7,50 @@ import json
 
 import numpy as np
 import pytest
-from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
-from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
+from fedcluster_flwr.protocol import MODELS
 from fedcluster_flwr.strategies.dac import (
     DAC, PENS, DACOptions, DACVar, DACVarOptions, GossipOptions, OracleGossip, PENSOptions, RandomGossip, centred_tau,
     reference_tau, reference_two_hop_update, two_hop_similarities,
 )
 from fedcluster_flwr.strategies.fedavg import LocalOnly, LocalOptions
 from fedcluster_flwr.tasks.gossip import GOSSIP_TRAIN, MERGE_LOWEST_KEY, SAMPLES_KEY, merge_neighbours_and_train
-from test_strategies import DIM, SHAPES, client_manager, flat, make_setup, unflatten
+from helpers import Received, SyntheticClient, client_manager, constant_model, drive_round, flat, make_setup, random_weights
 
 N = 8
 TRUE = np.array([0, 0, 0, 0, 0, 0, 1, 1])
-
-
-def init_weights(seed):
-    return unflatten(np.random.default_rng(seed).normal(size=DIM))
 
 
 def gossip(cls, tmp_path, options, pretrained=True, **extra):
     """A gossip strategy over N synthetic clients; ``pretrained``: every client is past its
     pretraining (round 1 exchanges), for the tests of the exchanges themselves."""
     setup = make_setup(tmp_path, N, true=TRUE, train_sizes=[10 * (p + 1) for p in range(N)],
-                       init_weights=init_weights, **extra)
+                       init_weights=random_weights, **extra)
     strategy = cls(options, setup)
     if pretrained:
         strategy.pretrained[:] = True
     return strategy
 
 
-def play(strategy, manager, rnd, loss=lambda i, j: 1.0 + abs(int(TRUE[i]) - int(TRUE[j]))):
-    """One round with synthetic clients: neighbour j's loss on i's data is ``loss(i, j)``."""
-    received = {}
-    results = []
-    for proxy, ins in strategy.configure_fit(rnd, None, manager):
-        models = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[MODELS]
-        chosen = list(strategy.messages.instructions[proxy.pid].peers)
-        received[proxy.pid] = (ins.config[TASK_KEY], models, chosen, dict(ins.config))
-        metrics = {protocol.indexed(protocol.LOSS, j): loss(proxy.pid, q) for j, q in enumerate(chosen)}
-        new = [a + 1.0 for a in models[0]]
-        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new), 10, metrics)))
-    strategy.aggregate_fit(rnd, results, [])
-    evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: 0.5}))
-             for p, _ in strategy.configure_evaluate(rnd, None, manager)]
-    strategy.aggregate_evaluate(rnd, evals, [])
-    return received
+def loss_by_true_cluster(i: int, j: int) -> float:
+    """Neighbour j's loss on client i's data: 1 within i's true cluster, 2 across."""
+    return 1.0 + abs(int(TRUE[i]) - int(TRUE[j]))
+
+
+def gossip_client(loss=loss_by_true_cluster) -> SyntheticClient:
+    """A synthetic gossip client: it reports ``loss(i, j)`` for each neighbour j whose model it
+    received, and returns its own model plus one."""
+
+    def reply(client: Received):
+        metrics = {protocol.indexed(protocol.LOSS, j): loss(client.pid, q) for j, q in enumerate(client.peers)}
+        return [a + 1.0 for a in client.models[0]], 10, metrics
+
+    return reply
 
 
 def test_neighbours_are_never_the_client_itself_respect_m_and_are_seeded(tmp_path):
@@ -86,18 +79,18 @@ def test_round_one_is_uniform_and_the_relay_records_one_over_loss(tmp_path):
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=3))
     manager = client_manager(N)
     before = {p: flat(m).copy() for p, m in strategy.client_models.items()}
-    received = play(strategy, manager, 1)
+    received = drive_round(strategy, manager, 1, gossip_client())
     assert set(received) == set(range(N))  # client_fraction 1.0
-    for pid, (task, models, chosen, config) in received.items():
-        assert task == GOSSIP_TRAIN.name and len(models) == 4
-        for model, owner in zip(models, [pid, *chosen], strict=True):  # its own mailbox, then the neighbours'
+    for pid, client in received.items():
+        assert client.task == GOSSIP_TRAIN.name and len(client.models) == 4
+        for model, owner in zip(client.models, [pid, *client.peers], strict=True):  # its own mailbox, then the neighbours'
             np.testing.assert_array_equal(flat(model), before[owner])
-        assert [config[protocol.indexed(SAMPLES_KEY, j)] for j in range(3)] == [10 * (q + 1) for q in chosen]
-        for q in chosen:
+        assert [client.config[protocol.indexed(SAMPLES_KEY, j)] for j in range(3)] == [10 * (q + 1) for q in client.peers]
+        for q in client.peers:
             assert strategy.similarity[pid, q] == pytest.approx(1.0 / (1.0 + abs(int(TRUE[pid]) - int(TRUE[q]))))
             assert strategy.met[pid, q] and strategy.communication[pid, q] == 1
     assert strategy.communication.sum() == 3 * N
-    np.testing.assert_array_equal(flat(strategy.client_models[3]), flat(received[3][1][0]) + 1.0)
+    np.testing.assert_array_equal(flat(strategy.client_models[3]), flat(received[3].models[0]) + 1.0)
 
 
 def test_two_hop_lends_the_most_similar_neighbours_estimate():
@@ -120,7 +113,7 @@ def test_dac_samples_the_own_cluster_once_similarities_are_known(tmp_path):
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=2, tau=50.0))
     manager = client_manager(N)
     for rnd in range(1, 11):
-        play(strategy, manager, rnd)
+        drive_round(strategy, manager, rnd, gossip_client())
     assert strategy.met[6, 7] and strategy.similarity[6, 7] == 1.0 and strategy.similarity[6, 0] == 0.5
     late = [strategy.neighbours(11, 6) for _ in range(30)]
     assert all(7 in chosen for chosen in late)  # the only other client of its cluster, every time
@@ -131,11 +124,11 @@ def test_a_client_that_has_not_joined_is_never_a_neighbour(tmp_path):
     strategy = gossip(RandomGossip, tmp_path, GossipOptions(num_neighbours=3), join_round={5: 3})
     manager = client_manager(N)
     for rnd in (1, 2):
-        received = play(strategy, manager, rnd)
-        assert 5 not in received and all(5 not in chosen for _, _, chosen, _ in received.values())
-    received = play(strategy, manager, 3)
+        received = drive_round(strategy, manager, rnd, gossip_client())
+        assert 5 not in received and all(5 not in client.peers for client in received.values())
+    received = drive_round(strategy, manager, 3, gossip_client())
     assert 5 in received
-    assert any(5 in chosen for rnd in range(4, 9) for _, _, chosen, _ in play(strategy, manager, rnd).values())
+    assert any(5 in client.peers for rnd in range(4, 9) for client in drive_round(strategy, manager, rnd, gossip_client()).values())
 
 
 def test_oracle_gossip_stays_inside_the_true_cluster(tmp_path):
@@ -165,7 +158,7 @@ def test_dac_var_draws_each_exchange_with_the_tau_of_the_one_before(tmp_path):
     strategy = gossip(DACVar, tmp_path, DACVarOptions(num_neighbours=2, tau_max=30.0), pretrained=False, rounds=8)
     manager = client_manager(N)
     for rnd in range(1, 9):
-        play(strategy, manager, rnd)
+        drive_round(strategy, manager, rnd, gossip_client())
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["pretrain"] + ["dac_var"] * 7
     assert [r["exchanges"] for r in rows] == list(range(8))
@@ -191,21 +184,21 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
                       join_round={5: 3})
     manager = client_manager(N)
     before = {p: flat(m).copy() for p, m in strategy.client_models.items()}
-    first = play(strategy, manager, 1)
+    first = drive_round(strategy, manager, 1, gossip_client())
     assert sorted(first) == [p for p in range(N) if p != 5]
-    for pid, (task, models, chosen, config) in first.items():
-        assert task == protocol.TRAIN.name and chosen == [] and len(models) == 1
-        np.testing.assert_array_equal(flat(models[0]), before[pid])  # its own model, nobody else's
-        assert config.get(protocol.EPOCHS_KEY) == sent
+    for pid, client in first.items():
+        assert client.task == protocol.TRAIN.name and client.peers == () and len(client.models) == 1
+        np.testing.assert_array_equal(flat(client.models[0]), before[pid])  # its own model, nobody else's
+        assert client.config.get(protocol.EPOCHS_KEY) == sent
     assert strategy.communication.sum() == 0 and not strategy.met.any()
     for rnd in (2, 3, 4):
-        received = play(strategy, manager, rnd)
-        tasks = {pid: task for pid, (task, *_rest) in received.items()}
+        received = drive_round(strategy, manager, rnd, gossip_client())
+        tasks = {pid: client.task for pid, client in received.items()}
         if rnd == 2:
-            assert 5 not in tasks and all(5 not in chosen for _, _, chosen, _ in received.values())
+            assert 5 not in tasks and all(5 not in client.peers for client in received.values())
         if rnd == 3:  # client 5 joins: it pretrains while the others exchange, and nobody meets it yet
             assert tasks.pop(5) == protocol.TRAIN.name
-            assert all(5 not in chosen for _, _, chosen, _ in received.values())
+            assert all(5 not in client.peers for client in received.values())
         assert set(tasks.values()) == {GOSSIP_TRAIN.name}
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["pretrain", "dac", "dac", "dac"]
@@ -214,8 +207,8 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
 
 def test_without_pretraining_round_one_exchanges_untrained_models(tmp_path):
     strategy = gossip(RandomGossip, tmp_path, GossipOptions(pretrain_epochs=0), pretrained=False)
-    received = play(strategy, client_manager(N), 1)
-    assert {task for task, *_ in received.values()} == {GOSSIP_TRAIN.name}
+    received = drive_round(strategy, client_manager(N), 1, gossip_client())
+    assert {client.task for client in received.values()} == {GOSSIP_TRAIN.name}
 
 
 def test_a_train_instruction_with_epochs_trains_for_that_many_epochs(monkeypatch):
@@ -257,6 +250,8 @@ def test_the_reference_two_hop_takes_this_rounds_neighbours_tables_estimates_inc
     table[2, 3], met[0, 2], table[0, 2] = 0.9, True, 0.95
     reference_two_hop_update(table, met, 0, [1, 2])
     assert table[0, 3] == 0.9 and table[0, 2] == 0.95 and table[0, 1] == 0.8
+
+
 def test_personal_models_start_apart_or_together(tmp_path):
     apart = gossip(RandomGossip, tmp_path / "a", GossipOptions())
     together = gossip(RandomGossip, tmp_path / "b", GossipOptions(same_init=True))
@@ -267,10 +262,12 @@ def test_personal_models_start_apart_or_together(tmp_path):
 def test_local_never_receives_another_clients_model(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, N))
     for pid in range(N):
-        strategy.client_models[pid] = [np.full(s, float(pid), np.float32) for s in SHAPES]
-    for proxy, ins in strategy.configure_fit(1, None, client_manager(N)):
-        (model,) = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[MODELS]
-        assert all(np.all(a == proxy.pid) for a in model)
+        strategy.client_models[pid] = constant_model(pid)
+    received = drive_round(strategy, client_manager(N), 1, gossip_client())
+    assert sorted(received) == list(range(N))
+    for pid, client in received.items():
+        (model,) = client.models
+        assert all(np.all(a == pid) for a in model)
 
 
 def test_the_client_merges_own_and_neighbours_by_sample_counts(monkeypatch):
@@ -302,11 +299,9 @@ def test_a_validation_split_is_held_out_of_training_and_selects_the_reported_mod
 
     strategy = gossip(RandomGossip, tmp_path, GossipOptions())
     manager = client_manager(N)
-    strategy.configure_fit(1, None, manager)
     for rnd, (val_loss, accuracy) in enumerate([(0.9, 0.5), (0.4, 0.7), (0.6, 0.9)], start=1):
-        evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: accuracy, protocol.VAL_LOSS: val_loss}))
-                 for p, _ in strategy.configure_evaluate(rnd, None, manager)]
-        strategy.aggregate_evaluate(rnd, evals, [])
+        reported = {protocol.ACCURACY: accuracy, protocol.VAL_LOSS: val_loss}
+        drive_round(strategy, manager, rnd, gossip_client(), evaluate=lambda pid, model, reported=reported: (0.5, reported))
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["mean_client_accuracy"] for r in rows] == [0.5, 0.7, 0.9]
     assert [r["mean_best_val_accuracy"] for r in rows] == [0.5, 0.7, 0.7]  # round 2's model kept the lowest val loss
@@ -327,19 +322,19 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
 
     expected = np.zeros((N, N), dtype=int)
     for rnd in (1, 2, 3):
-        for pid, (task, models, chosen, config) in play(strategy, manager, rnd, loss).items():
-            assert task == GOSSIP_TRAIN.name and len(chosen) == 3 and config[MERGE_LOWEST_KEY] == 1
-            expected[pid, min(chosen, key=lambda q: loss(pid, q))] += 1
+        for pid, client in drive_round(strategy, manager, rnd, gossip_client(loss)).items():
+            assert client.task == GOSSIP_TRAIN.name and len(client.peers) == 3 and client.config[MERGE_LOWEST_KEY] == 1
+            expected[pid, min(client.peers, key=lambda q: loss(pid, q))] += 1
     np.testing.assert_array_equal(strategy.kept_counts, expected)
     np.testing.assert_array_equal(strategy.neighbour_sets, expected > 1 / N * 3)
     assert strategy.neighbour_sets.any(axis=1).all()  # every client kept someone (3 rounds x 1 > 3/8)
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["pens_selection"] * 3
     for rnd in range(4, 10):
-        for pid, (task, models, chosen, config) in play(strategy, manager, rnd, loss).items():
+        for pid, client in drive_round(strategy, manager, rnd, gossip_client(loss)).items():
             kept = set(np.flatnonzero(strategy.neighbour_sets[pid]).tolist())
-            assert set(chosen) <= kept and len(chosen) == min(3, len(kept))
-            assert MERGE_LOWEST_KEY not in config  # every drawn peer is merged
+            assert set(client.peers) <= kept and len(client.peers) == min(3, len(kept))
+            assert MERGE_LOWEST_KEY not in client.config  # every drawn peer is merged
     assert json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["phase"] == "pens_gossip"
 
 
@@ -407,7 +402,7 @@ def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_p
     assert shapes[0] == shapes[1]
 
     strategy = gossip(RandomGossip, tmp_path / "run", GossipOptions(num_neighbours=2), cluster_names=("upright", "rotated"))
-    play(strategy, client_manager(N), 1)
+    drive_round(strategy, client_manager(N), 1, gossip_client())
     strategy.setup.recorder.write_artifacts(strategy.artifacts())
     assert matplotlib.image.imread(tmp_path / "run" / "communication.png").shape == shapes[0]
 
@@ -422,7 +417,7 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
         strategy = gossip(cls, folder, options, pretrained=False, checkpoint_every=1)
         manager = client_manager(N)
         for rnd in (1, 2, 3, 4):
-            play(strategy, manager, rnd)
+            drive_round(strategy, manager, rnd, gossip_client())
         resumed = gossip(cls, tmp_path / f"{cls.name}_resumed", options, pretrained=False)
         resume(resumed, load_checkpoint(folder))
         assert resumed.exchanges == strategy.exchanges == 3 and resumed.pretrained.all()

@@ -15,6 +15,7 @@ import torch
 from fedcluster_flwr.data import ClientTransform, DataError, load_pool, make_partition, resolve_data_dir
 from fedcluster_flwr.data.datasets import DATA_DIR_ENV, _load_pool
 from fedcluster_flwr.data.partitions import NaturalOptions
+from helpers import CIFAR_BATCHES, write_cifar
 
 # ---- digits ------------------------------------------------------------------------------
 
@@ -177,41 +178,8 @@ def test_mnist_missing_files_is_data_error(tmp_path):
 
 # ---- CIFAR-10: tiny batches in the real pickle format -----------------------------------
 
-CIFAR_BATCHES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-
-
-def _write_cifar(root: Path, per_batch: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Write ``cifar-10-batches-py`` like the official python version; return images and labels.
-
-    Each batch is a pickled dict whose ``data`` is a uint8 array (n, 3072): the 1024 red
-    values of the 32x32 image row by row, then the green, then the blue plane.
-    """
-    rng = np.random.default_rng(seed)
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    all_images, all_labels = [], []
-    for b, name in enumerate(CIFAR_BATCHES):
-        images = rng.integers(0, 256, size=(per_batch, 3, 32, 32), dtype=np.uint8)
-        labels = [int(v) for v in rng.integers(0, 10, size=per_batch)]
-        data = np.empty((per_batch, 3072), dtype=np.uint8)
-        for i in range(per_batch):
-            for c in range(3):
-                data[i, c * 1024 : (c + 1) * 1024] = images[i, c].reshape(-1)  # row-major plane
-        entry = {
-            "batch_label": f"batch {b + 1} of 6",
-            "labels": labels,
-            "data": data,
-            "filenames": [f"img_{b}_{i}.png" for i in range(per_batch)],
-        }
-        with open(folder / name, "wb") as handle:
-            pickle.dump(entry, handle, protocol=2)
-        all_images.append(images)
-        all_labels.extend(labels)
-    return np.concatenate(all_images), np.asarray(all_labels, dtype=np.int64)
-
-
 def test_cifar10_pool_from_batches(tmp_path):
-    images, labels = _write_cifar(tmp_path, per_batch=4)
+    images, labels = write_cifar(tmp_path, per_batch=4)
     pool = load_pool("cifar10", str(tmp_path))
     assert pool.name == "cifar10" and pool.num_classes == 10
     assert tuple(pool.images.shape) == (24, 3, 32, 32)  # 5 train batches + test batch
@@ -250,14 +218,14 @@ def test_cifar10_missing_files(tmp_path):
 
 
 def test_cifar10_missing_one_batch(tmp_path):
-    _write_cifar(tmp_path, per_batch=1)
+    write_cifar(tmp_path, per_batch=1)
     (tmp_path / "cifar-10-batches-py" / "data_batch_3").unlink()
     with pytest.raises(DataError, match="data_batch_3"):
         load_pool("cifar10", str(tmp_path))
 
 
 def test_cifar10_malformed_batch(tmp_path):
-    _write_cifar(tmp_path, per_batch=1)
+    write_cifar(tmp_path, per_batch=1)
     with open(tmp_path / "cifar-10-batches-py" / "test_batch", "wb") as handle:
         pickle.dump({"labels": [1]}, handle, protocol=2)  # no "data"
     with pytest.raises(DataError, match="test_batch"):
@@ -388,7 +356,7 @@ def test_resolve_data_dir_defaults_to_cache(tmp_path, monkeypatch):
 
 
 def test_load_pool_reads_env_dir(tmp_path, monkeypatch):
-    _write_cifar(tmp_path, per_batch=1)
+    write_cifar(tmp_path, per_batch=1)
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
     _load_pool.cache_clear()
     try:
@@ -399,15 +367,15 @@ def test_load_pool_reads_env_dir(tmp_path, monkeypatch):
 
 
 def test_load_pool_is_cached(tmp_path):
-    _write_cifar(tmp_path, per_batch=1)
+    write_cifar(tmp_path, per_batch=1)
     first = load_pool("cifar10", str(tmp_path))
     assert load_pool("cifar10", str(tmp_path)) is first
 
 
 def test_load_pool_follows_a_changed_data_dir_env(tmp_path, monkeypatch):
     """The cache is keyed by the resolved folder, not by the (unset) data_dir argument."""
-    _write_cifar(tmp_path / "a", per_batch=1)
-    _write_cifar(tmp_path / "b", per_batch=2)
+    write_cifar(tmp_path / "a", per_batch=1)
+    write_cifar(tmp_path / "b", per_batch=2)
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "a"))
     assert len(load_pool("cifar10").labels) == 6
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "b"))

@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
@@ -16,7 +15,7 @@ from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import purity
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
-from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY, TRAIN
+from fedcluster_flwr.protocol import MODELS, TRAIN
 from fedcluster_flwr.results import load_checkpoint
 from fedcluster_flwr.strategies.round_log import resume
 from fedcluster_flwr.schema import ConfigError
@@ -38,7 +37,18 @@ from fedcluster_flwr.tasks.selection import (
     train_best_model,
 )
 from fedcluster_flwr.training import get_weights, selection_score_inputs
-from test_strategies import DIM, client_manager, flat, make_setup, select_metrics, unflatten
+from helpers import (
+    DIM,
+    Received,
+    SyntheticClient,
+    client_manager,
+    drive_round,
+    flat,
+    make_setup,
+    random_weights,
+    select_metrics,
+    unflatten,
+)
 
 # ---- the client's rules, on real data ---------------------------------------------------------
 
@@ -154,64 +164,46 @@ GROUPS = np.repeat(np.arange(3), 4)  # 12 clients, 3 true clusters
 TARGETS = np.random.default_rng(0).normal(size=(3, DIM)) * 5
 
 
-def init_weights(seed):
-    return unflatten(np.random.default_rng(seed).normal(size=DIM))
-
-
 def strategy_of(cls, tmp_path, rounds=6, **options):
     opts = dict(num_clusters=3, client_fraction=0.5) | options
     options_cls = GradLossOptions if cls is GradLoss else IFCAOptions
-    setup = make_setup(tmp_path, len(GROUPS), true=GROUPS, rounds=rounds, init_weights=init_weights)
+    setup = make_setup(tmp_path, len(GROUPS), true=GROUPS, rounds=rounds, init_weights=random_weights)
     return cls(options_cls(**opts), setup)
 
 
-def reply(pid, ins, chooser=None):
-    """A synthetic client: picks the model nearest its group's target (or ``chooser``'s pick),
-    pulls it halfway to the target; ``select`` replies carry no arrays."""
-    blocks = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
-    models = blocks[MODELS]
-    task = ins.config[TASK_KEY]
-    metrics = {protocol.TRAIN_LOSS: 1.0}
-    chosen = 0
-    if task in (TRAIN_SELECT.name, SELECT.name):
-        losses = [float(np.linalg.norm(flat(m) - TARGETS[GROUPS[pid]])) for m in models]
-        chosen = int(np.argmin(losses)) if chooser is None else chooser(pid, len(models))
-        metrics |= select_metrics(chosen, losses)
-        if DIRECTIONS in blocks:
-            metrics |= {protocol.indexed(SIMILARITY, k): 0.0 for k in range(len(models))}
-    if task == SELECT.name:
-        return FitRes(Status(Code.OK, ""), ndarrays_to_parameters([]), 10, metrics)
-    w = flat(models[chosen])
-    new = unflatten(w + 0.5 * (TARGETS[GROUPS[pid]] - w))
-    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new), 10 + pid, metrics)
+def selecting_client(chooser=None) -> SyntheticClient:
+    """A synthetic client: picks the model nearest its group's target (or ``chooser(pid, k)``'s
+    pick of the k models), pulls it halfway to the target; ``select`` replies carry no arrays."""
 
+    def reply(client: Received):
+        target = TARGETS[GROUPS[client.pid]]
+        metrics = {protocol.TRAIN_LOSS: 1.0}
+        chosen = 0
+        if client.task in (TRAIN_SELECT.name, SELECT.name):
+            losses = [float(np.linalg.norm(flat(m) - target)) for m in client.models]
+            chosen = int(np.argmin(losses)) if chooser is None else chooser(client.pid, len(client.models))
+            similarities = [0.0] * len(client.models) if DIRECTIONS in client.blocks else []
+            metrics |= select_metrics(chosen, losses, similarities)
+        if client.task == SELECT.name:
+            return [], 10, metrics
+        w = flat(client.models[chosen])
+        return unflatten(w + 0.5 * (target - w)), 10 + client.pid, metrics
 
-def play(strategy, manager, rnd, chooser=None):
-    """One round; returns {pid: (task, blocks)} of what each client received."""
-    received, results = {}, []
-    for proxy, ins in strategy.configure_fit(rnd, None, manager):
-        blocks = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
-        received[proxy.pid] = (ins.config[TASK_KEY], blocks, dict(ins.config))
-        results.append((proxy, reply(proxy.pid, ins, chooser)))
-    strategy.aggregate_fit(rnd, results, [])
-    evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: 0.5}))
-             for p, _ in strategy.configure_evaluate(rnd, None, manager)]
-    strategy.aggregate_evaluate(rnd, evals, [])
-    return received
+    return reply
 
 
 def test_sampled_clients_get_all_models_and_the_others_are_asked_once(tmp_path):
     strategy, manager = strategy_of(IFCA, tmp_path), client_manager(len(GROUPS))
-    received = play(strategy, manager, 1)
-    tasks = {pid: task for pid, (task, _, _) in received.items()}
+    received = drive_round(strategy, manager, 1, selecting_client())
+    tasks = {pid: client.task for pid, client in received.items()}
     assert sorted(tasks.values()).count(TRAIN_SELECT.name) == 6 and sorted(tasks.values()).count(SELECT.name) == 6
-    for task, blocks, _ in received.values():
-        assert len(blocks[MODELS]) == 3 and DIRECTIONS not in blocks
+    for client in received.values():
+        assert len(client.models) == 3 and DIRECTIONS not in client.blocks
     assert (strategy.assignment != UNASSIGNED).all()  # everyone has an identity after round 1
-    received = play(strategy, manager, 2)
-    assert {task for task, _, _ in received.values()} == {TRAIN_SELECT.name} and len(received) == 6
+    received = drive_round(strategy, manager, 2, selecting_client())
+    assert {client.task for client in received.values()} == {TRAIN_SELECT.name} and len(received) == 6
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
-    model_bytes = sum(a.nbytes for a in init_weights(0))
+    model_bytes = sum(a.nbytes for a in random_weights(0))
     assert rows[1]["bytes_down"] > 6 * 3 * model_bytes  # K models to every sampled client
 
 
@@ -220,17 +212,17 @@ def test_one_step_with_every_device_sends_all_k_models_to_all_devices_every_iter
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, local_update="one_step")
     manager = client_manager(len(GROUPS))
     for rnd in (1, 2, 3):
-        received = play(strategy, manager, rnd)
+        received = drive_round(strategy, manager, rnd, selecting_client())
         assert sorted(received) == list(range(len(GROUPS)))
-        for task, blocks, config in received.values():
-            assert task == TRAIN_SELECT.name and len(blocks[MODELS]) == len(blocks[DIRECTIONS]) == 3
-            assert config[LOCAL_UPDATE_KEY] == ONE_STEP
+        for client in received.values():
+            assert client.task == TRAIN_SELECT.name and len(client.models) == len(client.blocks[DIRECTIONS]) == 3
+            assert client.config[LOCAL_UPDATE_KEY] == ONE_STEP
 
 
 def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_model(tmp_path):
     strategy, manager = strategy_of(IFCA, tmp_path, client_fraction=1.0), client_manager(len(GROUPS))
     start = {k: flat(m).copy() for k, m in strategy.models.items()}
-    play(strategy, manager, 1, chooser=lambda pid, k: 0 if pid < 6 else 2)  # nobody picks cluster 1
+    drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # nobody picks cluster 1
     assert strategy.assignment.tolist() == [0] * 6 + [2] * 6
     np.testing.assert_array_equal(flat(strategy.models[1]), start[1])
     for cluster, members in ((0, range(6)), (2, range(6, 12))):
@@ -243,20 +235,20 @@ def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_mode
 def test_an_empty_cluster_is_given_a_sampled_client_only_with_reseed_empty(tmp_path):
     always_first = lambda pid, k: 0  # noqa: E731 - every client picks cluster 0
     plain = strategy_of(IFCA, tmp_path / "plain", client_fraction=1.0)
-    play(plain, client_manager(len(GROUPS)), 1, always_first)
-    received = play(plain, client_manager(len(GROUPS)), 2, always_first)
-    assert {len(blocks[MODELS]) for _, blocks, _ in received.values()} == {3}
+    drive_round(plain, client_manager(len(GROUPS)), 1, selecting_client(always_first))
+    received = drive_round(plain, client_manager(len(GROUPS)), 2, selecting_client(always_first))
+    assert {len(client.models) for client in received.values()} == {3}
 
     strategy = strategy_of(IFCA, tmp_path / "reseed", client_fraction=1.0, cluster_guard="reseed_empty")
     manager = client_manager(len(GROUPS))
-    play(strategy, manager, 1, always_first)
+    drive_round(strategy, manager, 1, selecting_client(always_first))
     assert strategy.to_reseed == [1, 2]
     kept = {k: flat(strategy.models[k]).copy() for k in (1, 2)}
-    received = play(strategy, manager, 2, always_first)
-    given = {pid: blocks for pid, (task, blocks, _) in received.items() if len(blocks[MODELS]) == 1}
-    assert len(given) == 2 and {received[pid][0] for pid in given} == {TRAIN_SELECT.name}
+    received = drive_round(strategy, manager, 2, selecting_client(always_first))
+    given = {pid: client for pid, client in received.items() if len(client.models) == 1}
+    assert len(given) == 2 and {client.task for client in given.values()} == {TRAIN_SELECT.name}
     for cluster, pid in strategy.forced.items():
-        np.testing.assert_array_equal(flat(given[pid][MODELS][0]), kept[cluster])  # updates the empty cluster's model
+        np.testing.assert_array_equal(flat(given[pid].models[0]), kept[cluster])  # updates the empty cluster's model
         assert strategy.assignment[pid] == cluster
         assert not np.array_equal(flat(strategy.models[cluster]), kept[cluster])
     assert sorted(strategy.setup.recorder.rows[-1]["cluster_sizes"]) == [1, 1, 10]
@@ -271,12 +263,11 @@ def test_one_per_cluster_gives_every_cluster_a_member_every_round(tmp_path):
     forced_over_rounds = []
     for rnd in range(1, 5):
         before = {k: flat(m).copy() for k, m in strategy.models.items()}
-        received = play(strategy, manager, rnd, chooser=lambda pid, k: 0)
+        received = drive_round(strategy, manager, rnd, selecting_client(lambda pid, k: 0))
         assert sorted(strategy.forced) == [0, 1, 2] and len(set(strategy.forced.values())) == 3
         for cluster, pid in strategy.forced.items():
-            _, blocks, _ = received[pid]
-            assert len(blocks[MODELS]) == 1
-            np.testing.assert_array_equal(flat(blocks[MODELS][0]), before[cluster])
+            assert len(received[pid].models) == 1
+            np.testing.assert_array_equal(flat(received[pid].models[0]), before[cluster])
             assert not np.array_equal(flat(strategy.models[cluster]), before[cluster])  # every cluster moved
         assert min(strategy.setup.recorder.rows[-1]["cluster_sizes"]) >= 1
         forced_over_rounds.append(tuple(sorted(strategy.forced.values())))
@@ -296,15 +287,14 @@ def test_a_guard_that_cannot_fill_every_cluster_and_one_step_with_another_optimi
 def test_gradloss_sends_zero_directions_first_then_each_clusters_last_update(tmp_path):
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, lambda_=0.5)
     manager = client_manager(len(GROUPS))
-    received = play(strategy, manager, 1, chooser=lambda pid, k: 0 if pid < 6 else 2)
-    _, blocks, config = received[0]
-    assert config[LAMBDA_KEY] == 0.5 and config[LOSS_REDUCTION_KEY] == "sum"
-    assert all(not np.any(a) for item in blocks[DIRECTIONS] for a in item)
-    received = play(strategy, manager, 2, chooser=lambda pid, k: 0 if pid < 6 else 2)
-    directions = received[0][1][DIRECTIONS]
+    received = drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
+    assert received[0].config[LAMBDA_KEY] == 0.5 and received[0].config[LOSS_REDUCTION_KEY] == "sum"
+    assert all(not np.any(a) for item in received[0].blocks[DIRECTIONS] for a in item)
+    received = drive_round(strategy, manager, 2, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
+    directions = received[0].blocks[DIRECTIONS]
     assert any(np.any(a) for a in directions[0]) and not any(np.any(a) for a in directions[1])  # 1 never updated
     before = {k: flat(m).copy() for k, m in strategy.models.items()}
-    play(strategy, manager, 3, chooser=lambda pid, k: 0 if pid < 6 else 2)
+    drive_round(strategy, manager, 3, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
     for cluster in (0, 2):
         np.testing.assert_allclose(flat(strategy.directions[cluster]), flat(strategy.models[cluster]) - before[cluster],
                                    rtol=1e-5, atol=1e-6)
@@ -315,10 +305,10 @@ def test_a_cluster_nobody_updated_last_round_sends_a_zero_direction(tmp_path):
     a cluster idle in t-1 has Δw_k = 0 (so S_k = 0), not its older, stale update."""
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0)
     manager = client_manager(len(GROUPS))
-    play(strategy, manager, 1, chooser=lambda pid, k: 0 if pid < 6 else 2)  # clusters 0 and 2 move
-    play(strategy, manager, 2, chooser=lambda pid, k: 0)  # only cluster 0 moves
-    received = play(strategy, manager, 3, chooser=lambda pid, k: 0)
-    directions = received[0][1][DIRECTIONS]
+    drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # clusters 0 and 2 move
+    drive_round(strategy, manager, 2, selecting_client(lambda pid, k: 0))  # only cluster 0 moves
+    received = drive_round(strategy, manager, 3, selecting_client(lambda pid, k: 0))
+    directions = received[0].blocks[DIRECTIONS]
     assert any(np.any(a) for a in directions[0])
     assert not any(np.any(a) for a in directions[2])  # updated in round 1, idle in round 2
 
@@ -326,9 +316,9 @@ def test_a_cluster_nobody_updated_last_round_sends_a_zero_direction(tmp_path):
 def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):
     strategy = strategy_of(GradLoss, tmp_path, rounds=2, client_fraction=1.0)
     manager = client_manager(len(GROUPS))
-    play(strategy, manager, 1, chooser=lambda pid, k: 0)
+    drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0))
     before_round_2 = {k: [a.copy() for a in m] for k, m in strategy.models.items()}
-    play(strategy, manager, 2, chooser=lambda pid, k: 1 if pid < 3 else 0)
+    drive_round(strategy, manager, 2, selecting_client(lambda pid, k: 1 if pid < 3 else 0))
     row = strategy.setup.recorder.rows[-1]
     assert row["identity_changes"] == 3
     expected = np.mean([np.ptp([np.linalg.norm(flat(m) - TARGETS[GROUPS[p]]) for m in before_round_2.values()])
@@ -345,13 +335,13 @@ def test_warmup_trains_one_model_then_spawns_k_distinct_ones(tmp_path):
     strategy = strategy_of(IFCA, tmp_path, warmup_rounds=2)
     manager = client_manager(len(GROUPS))
     for rnd in (1, 2):
-        received = play(strategy, manager, rnd)
-        assert {task for task, _, _ in received.values()} == {TRAIN.name} and strategy.phase(rnd) == "warmup"
+        received = drive_round(strategy, manager, rnd, selecting_client())
+        assert {client.task for client in received.values()} == {TRAIN.name} and strategy.phase(rnd) == "warmup"
     assert len(strategy.models) == 1
     warm = flat(strategy.models[0]).copy()
-    received = play(strategy, manager, 3)  # spawned when the first round after the warm-up starts
-    assert {task for task, _, _ in received.values()} == {TRAIN_SELECT.name, SELECT.name}
-    sent = [flat(m) for m in next(iter(received.values()))[1][MODELS]]
+    received = drive_round(strategy, manager, 3, selecting_client())  # spawned when the first round after the warm-up starts
+    assert {client.task for client in received.values()} == {TRAIN_SELECT.name, SELECT.name}
+    sent = [flat(m) for m in next(iter(received.values())).models]
     assert len(sent) == 3 and not np.array_equal(sent[0], sent[1])
     assert all(0 < np.abs(v - warm).max() < 0.1 for v in sent)  # the warm model plus small noise
 

@@ -8,16 +8,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr import protocol
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
-from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
+from fedcluster_flwr.protocol import LAYOUT_KEY
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.aggregation import average_layers
 from fedcluster_flwr.strategies.oneshot_hfl import HFLOptions, OracleHFL
@@ -37,7 +35,7 @@ from fedcluster_flwr.tasks.oneshot import (
     relevance_to_every_client,
     top_gram_eigenpairs,
 )
-from test_strategies import SHAPES, client_manager, make_setup
+from helpers import Received, SyntheticClient, client_manager, constant_model, drive_round, make_setup, write_cifar
 
 # ---- relevance -------------------------------------------------------------------------------------
 
@@ -221,24 +219,18 @@ def test_gps_touches_only_the_shared_layers_and_weights_by_cluster_data_size(tmp
     true = np.array([0, 0, 0, 1])
     setup = make_setup(tmp_path, 4, true=true, train_sizes=[10, 10, 10, 30], parameter_names=["shared.w", "own.b"])
     strategy = OracleHFL(HFLOptions(client_fraction=1.0, shared_layers=("shared",)), setup)
-    manager = client_manager(4)
-    results = []
-    for proxy, ins in strategy.configure_fit(1, None, manager):
-        assert ins.config[TASK_KEY] == "train"
-        (model,) = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[MODELS]
-        trained = [np.full(s, float(10 * true[proxy.pid] + proxy.pid), np.float32) for s in SHAPES]
-        n = setup.train_sizes[proxy.pid]
-        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(trained), n, {})))
-    strategy.aggregate_fit(1, results, [])
+
+    def train(client: Received):
+        return constant_model(10 * true[client.pid] + client.pid), setup.train_sizes[client.pid], {}
+
+    received = drive_round(strategy, client_manager(4), 1, train)
+    assert {client.task for client in received.values()} == {"train"} and len(received) == 4
     # LPS FedAvg: cluster 0 = mean of 0, 1, 2 = 1.0; cluster 1 = client 3's 13.0.
     # GPS on "shared.w" weighted by data size 30 vs 30: (1 + 13) / 2 = 7; "own.b" stays per LPS.
     np.testing.assert_allclose(strategy.models[0][0], 7.0)
     np.testing.assert_allclose(strategy.models[1][0], 7.0)
     np.testing.assert_allclose(strategy.models[0][1], 1.0)
     np.testing.assert_allclose(strategy.models[1][1], 13.0)
-    evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: 0.5}))
-             for p, _ in strategy.configure_evaluate(1, None, manager)]
-    strategy.aggregate_evaluate(1, evals, [])
     row = json.loads((tmp_path / "rounds.jsonl").read_text())
     assert row["bytes_gps"] == 2 * 2 * 12 * 4  # two LPS, up and down, one 4x3 float32 array
 
@@ -259,9 +251,8 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     official python format: one-shot rounds, then LeNet LPS models sharing their conv layers."""
     from conftest import ROOT
     from fedcluster_flwr.inprocess import run_in_process
-    from test_datasets import _write_cifar
 
-    _write_cifar(tmp_path / "data", per_batch=100)
+    write_cifar(tmp_path / "data", per_batch=100)
     overrides = [f"dataset.data_dir={tmp_path / 'data'}", "partition.samples_per_client=20", "rounds=3",
                  "strategy.features=random_projection", "strategy.feature_dim=64", "strategy.pretrained_weights=null"]
     config, _ = load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml", [parse_override(o) for o in overrides])
@@ -310,43 +301,33 @@ def oneshot_strategy(tmp_path, num_clients=6, **options):
     return OneShotHFL(OneShotOptions(**opts), setup)
 
 
-def summary_reply(pid, share_eigenvalues=False):
-    """A synthetic client's gram_eigen reply (eigenvalues only if asked to share them) and its Gram matrix."""
-    rng = np.random.default_rng(pid % 2)
-    x = rng.normal(size=(50, 4)) * ([3, 1, 0.3, 0.1] if pid % 2 else [0.1, 0.3, 1, 3])
-    gram, (vectors, values) = summary_of(x, 2)
-    arrays = GRAM_EIGEN.pack_reply({EIGENVECTORS: [vectors.astype(np.float32)],
-                                    EIGENVALUES: [values.astype(np.float32)] if share_eigenvalues else []})
-    return gram, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 50, {})
+def one_shot_client(share_eigenvalues=None) -> SyntheticClient:
+    """A synthetic one-shot client of one of two distributions (by the parity of its id): its
+    gram_eigen reply is the top-2 eigenpairs of its data's Gram matrix, its relevance_row reply
+    eq. 3 against the summaries it received. It shares its eigenvalues as instructed, or as
+    ``share_eigenvalues`` says."""
 
+    def reply(client: Received):
+        share = client.config[SHARE_EIGENVALUES_KEY] if share_eigenvalues is None else share_eigenvalues
+        x = np.random.default_rng(client.pid % 2).normal(size=(50, 4))
+        gram, (vectors, values) = summary_of(x * ([3, 1, 0.3, 0.1] if client.pid % 2 else [0.1, 0.3, 1, 3]), 2)
+        if client.task == RELEVANCE_ROW.name:
+            summaries = client.blocks[EIGENVECTORS]
+            others_values = [item[1] for item in summaries] if share else None
+            return [relevance_row(gram, [item[0] for item in summaries], others_values).astype(np.float32)], 50, {}
+        return GRAM_EIGEN.pack_reply({EIGENVECTORS: [vectors.astype(np.float32)],
+                                      EIGENVALUES: [values.astype(np.float32)] if share else []}), 50, {}
 
-def one_shot_round(strategy, manager, rnd, fail=frozenset(), share_eigenvalues=None):
-    """One round of synthetic one-shot clients; they share eigenvalues as instructed, or as ``share_eigenvalues`` says."""
-    results = []
-    for proxy, ins in strategy.configure_fit(rnd, None, manager):
-        if proxy.pid in fail:
-            continue
-        share = ins.config[SHARE_EIGENVALUES_KEY] if share_eigenvalues is None else share_eigenvalues
-        gram, res = summary_reply(proxy.pid, share)
-        if ins.config[TASK_KEY] == RELEVANCE_ROW.name:
-            summaries = protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[EIGENVECTORS]
-            values = [item[1] for item in summaries] if share else None
-            row = relevance_row(gram, [item[0] for item in summaries], values).astype(np.float32)
-            res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([row]), 50, {})
-        results.append((proxy, res))
-    strategy.aggregate_fit(rnd, results, [])
-    evals = [(p, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {protocol.ACCURACY: 0.5}))
-             for p, _ in strategy.configure_evaluate(rnd, None, manager)]
-    strategy.aggregate_evaluate(rnd, evals, [])
+    return reply
 
 
 def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer(tmp_path):
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
-    one_shot_round(strategy, manager, 1, fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
+    drive_round(strategy, manager, 1, one_shot_client(), fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
     assert strategy.summaries == {} and strategy.phase(1) == "gram_eigen"
-    one_shot_round(strategy, manager, 2)
+    drive_round(strategy, manager, 2, one_shot_client())
     assert sorted(strategy.summaries) == list(range(6))
-    one_shot_round(strategy, manager, 3)
+    drive_round(strategy, manager, 3, one_shot_client())
     assert strategy.clustered and strategy.clustering.round == 3
     assert strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
@@ -358,14 +339,14 @@ def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     from fedcluster_flwr.strategies.round_log import resume
 
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
-    one_shot_round(strategy, manager, 1)
+    drive_round(strategy, manager, 1, one_shot_client())
     resumed = oneshot_strategy(tmp_path / "other")
     resume(resumed, load_checkpoint(tmp_path))
     assert sorted(resumed.summaries) == list(range(6)) and not resumed.clustered
     for pid in range(6):
         for restored, original in zip(resumed.summaries[pid], strategy.summaries[pid], strict=True):
             np.testing.assert_array_equal(restored, original)
-    one_shot_round(resumed, manager, 1)  # Flower's round 1 of the rest is round 2: relevance
+    drive_round(resumed, manager, 1, one_shot_client())  # Flower's round 1 of the rest is round 2: relevance
     assert resumed.clustered and resumed.clustering.round == 2
     again = oneshot_strategy(tmp_path / "third")
     resume(again, load_checkpoint(tmp_path / "other"))
@@ -379,7 +360,7 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
     runs = {rule: oneshot_strategy(tmp_path / rule, relevance=rule) for rule in ("paper", "amiri")}
     for strategy in runs.values():
         manager = client_manager(6)
-        one_shot_round(strategy, manager, 1)
+        drive_round(strategy, manager, 1, one_shot_client())
         relevance_instruction = strategy.configure_fit(2, None, manager)[0][1]
         assert relevance_instruction.config[LAYOUT_KEY] == f"eigenvectors=6x{1 if strategy is runs['paper'] else 2}"
     rows = {rule: json.loads((tmp_path / rule / "rounds.jsonl").read_text().splitlines()[0]) for rule in runs}
@@ -390,7 +371,7 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
     assert runs["amiri"].summary()["eigen_summary_floats"] == 2 * 4 + 2
 
     strict = oneshot_strategy(tmp_path / "strict")
-    one_shot_round(strict, client_manager(6), 1, share_eigenvalues=True)  # replies the paper's users never send
+    drive_round(strict, client_manager(6), 1, one_shot_client(share_eigenvalues=True))  # replies the paper's users never send
     assert strict.summaries == {}
     row = json.loads((tmp_path / "strict" / "rounds.jsonl").read_text().splitlines()[0])
     assert row["rejected_updates"] == 6
@@ -399,7 +380,7 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
 def test_both_relevance_rules_cluster_the_synthetic_clients(tmp_path):
     for rule in ("paper", "amiri"):
         strategy, manager = oneshot_strategy(tmp_path / rule, relevance=rule), client_manager(6)
-        one_shot_round(strategy, manager, 1)
-        one_shot_round(strategy, manager, 2)
+        drive_round(strategy, manager, 1, one_shot_client())
+        drive_round(strategy, manager, 2, one_shot_client())
         assert strategy.clustered and strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
         assert strategy.summary()["relevance_rule"] == rule

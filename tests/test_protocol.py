@@ -8,22 +8,10 @@ import re
 
 import numpy as np
 import pytest
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from fedcluster_flwr import protocol
 from fedcluster_flwr.models import parameters_with_prefixes
-from fedcluster_flwr.protocol import (
-    ACCURACY,
-    EVALUATE,
-    LOSS,
-    MODEL,
-    MODELS,
-    TRAIN,
-    ModelSpec,
-    ProtocolError,
-    Sent,
-    indexed,
-)
+from fedcluster_flwr.protocol import ACCURACY, EVALUATE, MODEL, MODELS, TRAIN, ModelSpec, ProtocolError, Sent
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions
 from fedcluster_flwr.tasks.gossip import GOSSIP_TRAIN
@@ -37,21 +25,18 @@ from fedcluster_flwr.tasks.oneshot import (
     RELEVANCE_ROW,
     SHARE_EIGENVALUES_KEY,
 )
-from fedcluster_flwr.tasks.selection import DIRECTIONS, SELECTED, SIMILARITY, TRAIN_SELECT
-from test_strategies import SHAPES, client_manager, make_setup
+from fedcluster_flwr.tasks.selection import DIRECTIONS, SELECTED, TRAIN_SELECT
+from helpers import SHAPES, client_manager, constant_model, drive_round, make_setup, select_metrics
 
 SPEC = ModelSpec.of(["w", "b"], [np.zeros(s, np.float32) for s in SHAPES])
-
-
-def model(value: float = 1.0) -> list[np.ndarray]:
-    return [np.full(s, value, np.float32) for s in SHAPES]
+ONES = constant_model(1.0)  # a valid model, for replies whose values do not matter
 
 
 # ---- codec ------------------------------------------------------------------------------------
 
 
 def test_pack_then_unpack_gives_the_named_blocks_back():
-    blocks = {MODELS: [model(1), model(2), model(3)], DIRECTIONS: [model(-1), model(-2), model(-3)]}
+    blocks = {MODELS: [constant_model(v) for v in (1, 2, 3)], DIRECTIONS: [constant_model(-v) for v in (1, 2, 3)]}
     parameters, layout = protocol.pack_parameters(blocks)
     arrays = protocol.parameters_to_arrays(parameters)
     assert layout == "models=3x2,directions=3x2" and len(arrays) == 12
@@ -63,9 +48,9 @@ def test_pack_then_unpack_gives_the_named_blocks_back():
 
 
 def test_serialized_parameters_decode_to_the_same_blocks_and_share_repeated_items():
-    shared = model(7)
+    shared = constant_model(7)
     cache: dict = {}
-    first, layout = protocol.pack_parameters({MODELS: [shared, model(1)]}, cache)
+    first, layout = protocol.pack_parameters({MODELS: [shared, constant_model(1)]}, cache)
     second, _ = protocol.pack_parameters({MODELS: [shared]}, cache)
     assert second.tensors[0] is first.tensors[0]  # the shared model was serialized once
     assert cache[id(shared)][0] is shared  # and is kept alive: its id cannot be reused by another model
@@ -92,33 +77,33 @@ def test_an_instruction_without_its_task_blocks_or_scalars_is_a_programming_erro
         TRAIN.check_instruction({EIGENVECTORS: []}, {})
     with pytest.raises(ProtocolError, match="missing \\['num_eigenvectors', 'features', 'feature_dim', 'feature_seed', 'pretrained_weights', 'share_eigenvalues'\\]"):
         GRAM_EIGEN.check_instruction({}, {})
-    TRAIN_SELECT.check_instruction({MODELS: [model()], DIRECTIONS: [model()]}, {})  # directions are optional
+    TRAIN_SELECT.check_instruction({MODELS: [ONES], DIRECTIONS: [ONES]}, {})  # directions are optional
 
 
 # ---- reply schemas: one valid reply and its broken variants per task -------------------------
 
 
-def select_metrics(k: int, with_similarity: bool = False) -> dict:
-    metrics = {SELECTED: 0} | {indexed(LOSS, j): 0.5 for j in range(k)}
-    return metrics | ({indexed(SIMILARITY, j): 0.1 for j in range(k)} if with_similarity else {})
+def selection(k: int, with_similarity: bool = False) -> dict:
+    """The metrics of a valid selection reply over k models."""
+    return select_metrics(0, [0.5] * k, [0.1] * k if with_similarity else [])
 
 
 EIGEN_SENT = Sent({}, {NUM_EIGENVECTORS_KEY: 3, FEATURE_DIM_KEY: 5, SHARE_EIGENVALUES_KEY: True})
 CASES = {
     # task: (sent, valid arrays, valid metrics, [(label, arrays, metrics, expected message)])
-    TRAIN: (Sent({MODELS: 1}, {}), model(), {}, [
-        ("one array too few", model()[:1], {}, r"expected arrays of shapes \[\(4, 3\), \(3,\)\], got \[\(4, 3\)\]"),
+    TRAIN: (Sent({MODELS: 1}, {}), ONES, {}, [
+        ("one array too few", ONES[:1], {}, r"expected arrays of shapes \[\(4, 3\), \(3,\)\], got \[\(4, 3\)\]"),
         ("wrong shape", [np.zeros((3, 4), np.float32), np.zeros(3, np.float32)], {}, "expected arrays of shapes"),
         ("NaN", [np.full((4, 3), np.nan, np.float32), np.zeros(3, np.float32)], {}, "non-finite values"),
         ("integers", [np.zeros((4, 3), np.int64), np.zeros(3, np.int64)], {}, "wrong kind"),
-        ("huge", model(3e7), {}, "values beyond"),
+        ("huge", constant_model(3e7), {}, "values beyond"),
     ]),
-    TRAIN_SELECT: (Sent({MODELS: 3}, {}), model(), select_metrics(3), [
-        ("no selected", model(), select_metrics(3) | {SELECTED: None}, "'selected' must be an integer in 0..2"),
-        ("selected out of range", model(), select_metrics(3) | {SELECTED: 3}, "'selected' must be an integer in 0..2"),
-        ("selected a bool", model(), select_metrics(3) | {SELECTED: True}, "'selected' must be an integer"),
-        ("a loss missing", model(), {SELECTED: 0, "loss_0": 1.0, "loss_1": 1.0}, "'loss_2' must be a number"),
-        ("two models back", model() + model(), select_metrics(3), "expected arrays of shapes"),
+    TRAIN_SELECT: (Sent({MODELS: 3}, {}), ONES, selection(3), [
+        ("no selected", ONES, selection(3) | {SELECTED: None}, "'selected' must be an integer in 0..2"),
+        ("selected out of range", ONES, selection(3) | {SELECTED: 3}, "'selected' must be an integer in 0..2"),
+        ("selected a bool", ONES, selection(3) | {SELECTED: True}, "'selected' must be an integer"),
+        ("a loss missing", ONES, {SELECTED: 0, "loss_0": 1.0, "loss_1": 1.0}, "'loss_2' must be a number"),
+        ("two models back", ONES + ONES, selection(3), "expected arrays of shapes"),
     ]),
     GRAM_EIGEN: (EIGEN_SENT, [np.zeros((3, 5), np.float32), np.ones(3, np.float32)], {}, [
         ("k too small", [np.zeros((2, 5), np.float32), np.ones(2, np.float32)], {}, r"\(3, 5\), \(3,\)"),
@@ -130,15 +115,15 @@ CASES = {
         ("a relevance above 1", [np.full(4, 5.0, np.float32)], {}, "relevance values must be <= 1, got 5"),
         ("a negative relevance", [np.full(4, -3.0, np.float32)], {}, "relevance values must be >= 0, got -3"),
     ]),
-    GOSSIP_TRAIN: (Sent({MODELS: 3}, {}), model(), {"loss_0": 0.3, "loss_1": 0.2}, [
-        ("one loss per neighbour", model(), {"loss_0": 0.3}, "'loss_1' must be a finite number .*2 in all"),
-        ("infinite loss", model(), {"loss_0": 0.3, "loss_1": float("inf")}, "'loss_1' must be a finite number"),
-        ("negative loss", model(), {"loss_0": -0.3, "loss_1": 0.2}, "'loss_0' must be a finite number >= 0"),
+    GOSSIP_TRAIN: (Sent({MODELS: 3}, {}), ONES, {"loss_0": 0.3, "loss_1": 0.2}, [
+        ("one loss per neighbour", ONES, {"loss_0": 0.3}, "'loss_1' must be a finite number .*2 in all"),
+        ("infinite loss", ONES, {"loss_0": 0.3, "loss_1": float("inf")}, "'loss_1' must be a finite number"),
+        ("negative loss", ONES, {"loss_0": -0.3, "loss_1": 0.2}, "'loss_0' must be a finite number >= 0"),
     ]),
     EVALUATE: (Sent({MODELS: 1}, {}), [], {ACCURACY: 0.75}, [
         ("accuracy above 1", [], {ACCURACY: 1.5}, r"'accuracy' must be a number in \[0, 1\]"),
         ("accuracy a string", [], {ACCURACY: "high"}, "'accuracy' must be a number"),
-        ("arrays where none are due", model(), {ACCURACY: 0.5}, r"expected arrays of shapes \[\]"),
+        ("arrays where none are due", ONES, {ACCURACY: 0.5}, r"expected arrays of shapes \[\]"),
         ("a NaN validation loss", [], {ACCURACY: 0.5, "val_loss": float("nan")}, "'val_loss' must be a finite number"),
     ]),
 }
@@ -158,8 +143,8 @@ def test_every_task_accepts_its_valid_reply_and_names_itself_when_refusing_a_bro
 
 def test_similarities_are_required_only_when_directions_were_sent():
     with_directions = Sent({MODELS: 2, DIRECTIONS: 2}, {})
-    assert "similarity_0" in TRAIN_SELECT.problem_with_reply(model(), select_metrics(2), with_directions, SPEC)
-    assert TRAIN_SELECT.problem_with_reply(model(), select_metrics(2, True), with_directions, SPEC) is None
+    assert "similarity_0" in TRAIN_SELECT.problem_with_reply(ONES, selection(2), with_directions, SPEC)
+    assert TRAIN_SELECT.problem_with_reply(ONES, selection(2, True), with_directions, SPEC) is None
 
 
 def test_eigenvalues_are_part_of_a_gram_eigen_reply_only_when_shared():
@@ -187,15 +172,11 @@ def test_replies_unpack_into_their_declared_blocks():
 
 def test_a_reply_breaking_its_schema_is_rejected_with_the_reason_and_the_round_goes_on(tmp_path, caplog):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, rounds=1))
-    manager = client_manager(3)
-    proxies = [proxy for proxy, _ in strategy.configure_fit(1, None, manager)]
-    replies = [model(1.0), model(2.0)[:1], model(3.0)]  # client 1 leaves out an array
-    results = [(p, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(w), 10, {})) for p, w in zip(proxies, replies)]
+    replies = [constant_model(1.0), constant_model(2.0)[:1], constant_model(3.0)]  # client 1 leaves out an array
     with caplog.at_level("WARNING"):
-        strategy.aggregate_fit(1, results, [])
+        drive_round(strategy, client_manager(3), 1, lambda client: (replies[client.pid], 10, {}))
     np.testing.assert_allclose(strategy.models[0][0], 2.0)  # the mean of clients 0 and 2 only
     assert "reply of client 1 rejected: task train: expected arrays of shapes" in caplog.text
-    strategy.aggregate_evaluate(1, [], [])
     row = json.loads((tmp_path / "rounds.jsonl").read_text())
     assert row["rejected_updates"] == 1 and row["fit_failures"] == 0
 

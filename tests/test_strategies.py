@@ -4,147 +4,89 @@ FL+HC's phases and clustering, failures, newcomers and the results files."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from flwr.common import (
-    Code,
-    EvaluateRes,
-    FitRes,
-    GetPropertiesRes,
-    Status,
-    ndarrays_to_parameters,
-    parameters_to_ndarrays,
-)
 from flwr.server.client_manager import SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
 
 from fedcluster_flwr.results import RunRecorder, load_checkpoint
 from fedcluster_flwr.strategies.round_log import resume
-from fedcluster_flwr.strategies import FederationError, StrategySetup
-from fedcluster_flwr import protocol
-from fedcluster_flwr.protocol import LAYOUT_KEY, MODELS, TASK_KEY
+from fedcluster_flwr.strategies import FederationError
+from fedcluster_flwr.protocol import ACCURACY, TASK_KEY, TRAIN_LOSS
 from fedcluster_flwr.aggregation import weighted_mean
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
 from fedcluster_flwr.strategies.flhc import FLHC, FLHCOptions
 from fedcluster_flwr.tasks.selection import SELECTED, TRAIN_SELECT
-
-SHAPES = [(4, 3), (3,)]
-DIM = 15
-
-
-class FakeProxy(ClientProxy):
-    """A registered Flower client that only answers get_properties (the strategy's discovery)."""
-
-    def __init__(self, cid: str, pid: int, num_partitions: int):
-        super().__init__(cid)
-        self.pid, self.num_partitions = pid, num_partitions
-
-    def get_properties(self, ins, timeout, group_id):
-        return GetPropertiesRes(Status(Code.OK, ""), {"partition_id": self.pid, "num_partitions": self.num_partitions})
-
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
+from helpers import (
+    DIM,
+    SHAPES,
+    FakeProxy,
+    Received,
+    SyntheticClient,
+    client_manager,
+    constant_model,
+    drive_round,
+    evaluated_at_80_percent,
+    fit_res,
+    flat,
+    make_setup,
+    rows_without_timing,
+    select_metrics,
+    unflatten,
+)
 
 
-def client_manager(num_clients: int, reported: int | None = None) -> SimpleClientManager:
-    manager = SimpleClientManager()
-    for pid in range(num_clients):
-        # cids unrelated to partition ids, as Flower's node ids are
-        manager.register(FakeProxy(str(1000 + 7 * pid), pid, reported or num_clients))
-    return manager
-
-
-def make_setup(tmp_path, num_clients, true=None, rounds=10, **extra) -> StrategySetup:
-    recorder = RunRecorder(tmp_path)
-    recorder.start({})
-    initial = [np.zeros(s, np.float32) for s in SHAPES]
-    true = np.zeros(num_clients, np.int64) if true is None else np.asarray(true)
-    return StrategySetup(initial, num_clients, true, rounds, seed=0, target_accuracy=0.5,
-                         recorder=recorder, wait_for_clients_s=0.0, **extra)
-
-
-def unflatten(vector: np.ndarray) -> list[np.ndarray]:
-    out, start = [], 0
-    for shape in SHAPES:
-        size = int(np.prod(shape))
-        out.append(vector[start : start + size].reshape(shape).astype(np.float32))
-        start += size
-    return out
-
-
-def flat(arrays) -> np.ndarray:
-    return np.concatenate([a.ravel() for a in arrays])
-
-
-def select_metrics(chosen: int, losses) -> dict:
-    """What a train_select reply reports: the chosen index and every model's loss."""
-    return {SELECTED: chosen} | {protocol.indexed(protocol.LOSS, k): float(v) for k, v in enumerate(losses)}
-
-
-def received_models(ins) -> list[list[np.ndarray]]:
-    return protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])[MODELS]
-
-
-GroupTrain = Callable[[int, list[list[np.ndarray]], dict], tuple[list[np.ndarray], int, dict]]
-
-
-def group_trainer(groups: np.ndarray, seed: int = 0) -> GroupTrain:
+def group_trainer(groups: np.ndarray, noise_per_client_and_round: bool = False) -> SyntheticClient:
     """Clients of group g pull a model towards target_g (their 'distribution').
 
     train: w + 0.5 (target_g - w) + noise.  train_select: pick the model closest to target_g.
+    The noise comes from one generator shared by all clients, in the order they are asked, or,
+    with ``noise_per_client_and_round``, from a seed of (client, round), as real clients' is:
+    then a resumed run replays the same noise.
     """
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     targets = rng.normal(size=(groups.max() + 1, DIM)) * 5
 
-    def train(pid, models, config):
-        metrics = {"partition_id": pid, "train_loss": 1.0}
+    def train(client: Received):
+        target = targets[groups[client.pid]]
+        metrics = {TRAIN_LOSS: 1.0}
         chosen = 0
-        if config[TASK_KEY] == TRAIN_SELECT.name:
-            losses = [np.linalg.norm(flat(m) - targets[groups[pid]]) for m in models]
+        if client.task == TRAIN_SELECT.name:
+            losses = [np.linalg.norm(flat(m) - target) for m in client.models]
             chosen = int(np.argmin(losses))
             metrics |= select_metrics(chosen, losses)
-        w = flat(models[chosen])
-        new = w + 0.5 * (targets[groups[pid]] - w) + 0.01 * rng.normal(size=DIM)
-        return unflatten(new), 10 + pid, metrics
+        noise = np.random.default_rng([client.pid, int(client.config["round"])]) if noise_per_client_and_round else rng
+        w = flat(client.models[chosen])
+        return unflatten(w + 0.5 * (target - w) + 0.01 * noise.normal(size=DIM)), 10 + client.pid, metrics
 
     return train
 
 
-def run_round(strategy, manager, rnd, train: GroupTrain, fail: set[int] = frozenset(), corrupt: set[int] = frozenset(),
-              accuracy: Callable[[int, list[np.ndarray]], float] = lambda pid, w: 0.8):
-    """One Flower round (fit + evaluate) executed in memory; returns {pid: (task, models received)}."""
-    instructions = strategy.configure_fit(rnd, None, manager)
-    received, results, failures = {}, [], []
-    for proxy, ins in instructions:
-        models = received_models(ins)
-        received[proxy.pid] = (ins.config[TASK_KEY], models)
-        if proxy.pid in fail:
-            failures.append(RuntimeError("boom"))
-            continue
-        weights, n, metrics = train(proxy.pid, models, ins.config)
-        if proxy.pid in corrupt:
-            weights = [np.full_like(w, np.nan) for w in weights]
-        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(weights), n, metrics)))
-    strategy.aggregate_fit(rnd, results, failures)
-    eval_results = []
-    for proxy, ins in strategy.configure_evaluate(rnd, None, manager):
-        (w,) = received_models(ins)
-        eval_results.append((proxy, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {"accuracy": accuracy(proxy.pid, w)})))
-    strategy.aggregate_evaluate(rnd, eval_results, [])
-    return received
+class Recording:
+    """Passes ``client``'s replies on and keeps each client's last one: ``models[pid]`` (flat)
+    and ``examples[pid]``."""
+
+    def __init__(self, client: SyntheticClient):
+        self.client, self.models, self.examples = client, {}, {}
+
+    def __call__(self, received: Received):
+        weights, n, metrics = self.client(received)
+        self.models[received.pid], self.examples[received.pid] = flat(weights), n
+        return weights, n, metrics
+
+    def forget(self) -> None:
+        self.models.clear()
+        self.examples.clear()
+
+
+class EvaluatedModels(dict):
+    """The default evaluation, keeping by client the model (flat) each was evaluated on."""
+
+    def __call__(self, pid: int, model):
+        self[pid] = flat(model)
+        return evaluated_at_80_percent(pid, model)
 
 
 # ---- FedAvg, local, oracle ----------------------------------------------------------
@@ -163,13 +105,12 @@ def test_fedavg_samples_a_fraction_and_averages_by_examples(tmp_path):
     manager = client_manager(8)
     trained = {}
 
-    def train(pid, models, config):
-        out = [np.full(s, float(pid), np.float32) for s in SHAPES]
-        trained[pid] = 10 + pid
-        return out, 10 + pid, {"partition_id": pid}
+    def train(client: Received):
+        trained[client.pid] = 10 + client.pid
+        return constant_model(client.pid), 10 + client.pid, {}
 
-    received = run_round(strategy, manager, 1, train)
-    assert len(received) == 4 and all(task == "train" for task, _ in received.values())
+    received = drive_round(strategy, manager, 1, train)
+    assert len(received) == 4 and all(client.task == "train" for client in received.values())
     expected = sum(pid * n for pid, n in trained.items()) / sum(trained.values())
     np.testing.assert_allclose(strategy.models[0][0], expected, rtol=1e-6)
 
@@ -177,8 +118,8 @@ def test_fedavg_samples_a_fraction_and_averages_by_examples(tmp_path):
 def test_each_round_records_who_trained_and_every_clients_accuracy(tmp_path):
     """rounds.jsonl's fit_clients and client_accuracy: what post-clustering analyses read."""
     strategy = FedAvg(FractionOptions(client_fraction=0.5), make_setup(tmp_path, 8))
-    received = run_round(strategy, client_manager(8), 1, group_trainer(np.zeros(8, dtype=int)),
-                         accuracy=lambda pid, w: pid / 10)
+    received = drive_round(strategy, client_manager(8), 1, group_trainer(np.zeros(8, dtype=int)),
+                           evaluate=lambda pid, w: (0.5, {ACCURACY: pid / 10}))
     (row,) = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert row["fit_clients"] == sorted(received) and len(received) == 4
     assert row["client_accuracy"] == {str(pid): pid / 10 for pid in range(8)}
@@ -187,7 +128,7 @@ def test_each_round_records_who_trained_and_every_clients_accuracy(tmp_path):
 def test_sampling_is_seeded(tmp_path):
     def picks(seed, folder):
         setup = replace(make_setup(tmp_path / folder, 20), seed=seed)
-        return sorted(run_round(FedAvg(FractionOptions(0.25), setup), client_manager(20), 1, group_trainer(np.zeros(20, int))))
+        return sorted(drive_round(FedAvg(FractionOptions(0.25), setup), client_manager(20), 1, group_trainer(np.zeros(20, int))))
 
     first, again, other = picks(0, "a"), picks(0, "b"), picks(1, "c")
     assert first == again and len(first) == 5
@@ -206,8 +147,7 @@ def test_each_client_gets_its_own_fit_instruction(tmp_path):
 def test_failed_and_corrupt_updates_never_reach_the_model(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
     manager = client_manager(4)
-    run_round(strategy, manager, 1, lambda pid, m, c: ([np.ones(s, np.float32) for s in SHAPES], 5, {}),
-              fail={0}, corrupt={1})
+    drive_round(strategy, manager, 1, lambda client: (constant_model(1.0), 5, {}), fail={0}, corrupt={1})
     assert all(np.isfinite(a).all() for a in strategy.models[0])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)
     row = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[0])
@@ -216,7 +156,7 @@ def test_failed_and_corrupt_updates_never_reach_the_model(tmp_path):
 
 def test_wrong_shapes_are_rejected(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2))
-    run_round(strategy, client_manager(2), 1, lambda pid, m, c: ([np.ones((2, 2), np.float32)], 5, {}))
+    drive_round(strategy, client_manager(2), 1, lambda client: ([np.ones((2, 2), np.float32)], 5, {}))
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
     assert json.loads((tmp_path / "rounds.jsonl").read_text())["rejected_updates"] == 2
 
@@ -224,16 +164,15 @@ def test_wrong_shapes_are_rejected(tmp_path):
 def test_all_failures_keep_the_previous_model_and_the_run_goes_on(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, rounds=2))
     manager = client_manager(3)
-    run_round(strategy, manager, 1, group_trainer(np.zeros(3, int)), fail={0, 1, 2})
+    drive_round(strategy, manager, 1, group_trainer(np.zeros(3, int)), fail={0, 1, 2})
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
-    run_round(strategy, manager, 2, group_trainer(np.zeros(3, int)))
+    drive_round(strategy, manager, 2, group_trainer(np.zeros(3, int)))
     assert json.loads((tmp_path / "summary.json").read_text())["finished"] is True
 
 
 def test_local_clients_never_share_models(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 3))
-    run_round(strategy, client_manager(3), 1,
-              lambda pid, m, c: ([np.full(s, pid, np.float32) for s in SHAPES], 5, {}))
+    drive_round(strategy, client_manager(3), 1, lambda client: (constant_model(client.pid), 5, {}))
     for pid in range(3):
         np.testing.assert_allclose(strategy.client_models[pid][0], pid)
 
@@ -241,8 +180,7 @@ def test_local_clients_never_share_models(tmp_path):
 def test_oracle_averages_only_inside_true_clusters(tmp_path):
     true = np.array([0, 0, 1, 1])
     strategy = OracleClusters(FractionOptions(1.0), make_setup(tmp_path, 4, true=true))
-    received = run_round(strategy, client_manager(4), 1,
-                         lambda pid, m, c: ([np.full(s, 10 * true[pid], np.float32) for s in SHAPES], 5, {}))
+    received = drive_round(strategy, client_manager(4), 1, lambda client: (constant_model(10 * true[client.pid]), 5, {}))
     assert set(received) == {0, 1, 2, 3}
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
     np.testing.assert_allclose(strategy.models[1][0], 10.0)
@@ -258,8 +196,8 @@ def test_late_joiner_is_offline_until_its_round(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, join_round={2: 3}))
     manager = client_manager(3)
     trainer = group_trainer(np.zeros(3, int))
-    assert set(run_round(strategy, manager, 1, trainer)) == {0, 1}
-    assert set(run_round(strategy, manager, 3, trainer)) == {0, 1, 2}
+    assert set(drive_round(strategy, manager, 1, trainer)) == {0, 1}
+    assert set(drive_round(strategy, manager, 3, trainer)) == {0, 1, 2}
 
 
 # ---- FL+HC --------------------------------------------------------------------------
@@ -276,47 +214,40 @@ def flhc(tmp_path, rounds=8, **options) -> FLHC:
 def test_flhc_runs_fedavg_then_clusters_all_updates_then_trains_clusters(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):  # FedAvg with cf: 3 of 12 clients, all on the joint model
-        received = run_round(strategy, manager, rnd, train)
+        received = drive_round(strategy, manager, rnd, train)
         assert len(received) == 3 and strategy.phase(rnd) == "fedavg"
     joint = [a.copy() for a in strategy.models[0]]
 
-    received = run_round(strategy, manager, 3, train)  # the clustering round
+    received = drive_round(strategy, manager, 3, train)  # the clustering round
     assert strategy.phase(3) == "clustering"
     assert set(received) == set(range(len(GROUPS)))  # every client takes part
-    for task, models in received.values():
-        assert task == "train" and len(models) == 1
-        np.testing.assert_array_equal(flat(models[0]), flat(joint))  # all train the joint model
+    for client in received.values():
+        assert client.task == "train" and len(client.models) == 1
+        np.testing.assert_array_equal(flat(client.models[0]), flat(joint))  # all train the joint model
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["purity"] == 1.0 and summary["ari"] == 1.0 and summary["clusters_found"] == 3
     assert (tmp_path / "linkage.npy").is_file() and (tmp_path / "dendrogram.png").is_file()
 
     before = {c: flat(m).copy() for c, m in strategy.models.items()}
-    received = run_round(strategy, manager, 4, train)  # independent FedAvg per cluster, cf of members
+    received = drive_round(strategy, manager, 4, train)  # independent FedAvg per cluster, cf of members
     assert len(received) == 3  # max(1, int(0.25 * 4)) per cluster
-    for pid, (task, models) in received.items():
-        np.testing.assert_array_equal(flat(models[0]), before[strategy.assignment[pid]])
+    for pid, client in received.items():
+        np.testing.assert_array_equal(flat(client.models[0]), before[strategy.assignment[pid]])
     sampled_clusters = sorted(strategy.assignment[pid] for pid in received)
     assert sampled_clusters == [0, 1, 2]
 
 
 def test_flhc_cluster_models_start_from_the_joint_model_and_average_members(tmp_path):
-    strategy, manager = flhc(tmp_path), client_manager(len(GROUPS))
-    returned = {}
-
-    def train(pid, models, config):
-        weights, n, metrics = group_trainer(GROUPS)(pid, models, config)
-        returned[pid] = (flat(weights), n)
-        return weights, n, metrics
-
+    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2):
-        run_round(strategy, manager, rnd, train)
+        drive_round(strategy, manager, rnd, train)
     joint_before_clustering = flat(strategy.models[0]).copy()
-    returned.clear()
-    run_round(strategy, manager, 3, train)
+    train.forget()
+    drive_round(strategy, manager, 3, train)
     np.testing.assert_array_equal(flat(strategy.joint_model), joint_before_clustering)
     for cluster, model in strategy.models.items():
-        members = [p for p in returned if strategy.assignment[p] == cluster]
-        expected = np.average([returned[p][0] for p in members], axis=0, weights=[returned[p][1] for p in members])
+        members = [p for p in train.models if strategy.assignment[p] == cluster]
+        expected = np.average([train.models[p] for p in members], axis=0, weights=[train.examples[p] for p in members])
         np.testing.assert_allclose(flat(model), expected, rtol=1e-5)
 
 
@@ -325,30 +256,18 @@ def test_after_clustering_only_the_sampled_members_shape_a_cluster_model(tmp_pat
     cluster of 4 with client_fraction 0.25 trains one member, and its update alone becomes the
     model that all 4 are evaluated on. In a cluster mixing label sets the 3 others lose what only
     they taught it (benchmarks/flhc/post_clustering.py measures this on pathological MNIST)."""
-    strategy, manager = flhc(tmp_path), client_manager(len(GROUPS))
-    returned = {}
-
-    def train(pid, models, config):
-        weights, n, metrics = group_trainer(GROUPS)(pid, models, config)
-        returned[pid] = flat(weights)
-        return weights, n, metrics
-
+    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2, 3):
-        run_round(strategy, manager, rnd, train)
-    returned.clear()
-    evaluated = {}
-
-    def accuracy(pid, weights):
-        evaluated[pid] = flat(weights)
-        return 0.8
-
-    run_round(strategy, manager, 4, train, accuracy=accuracy)
+        drive_round(strategy, manager, rnd, train)
+    train.forget()
+    evaluated = EvaluatedModels()
+    drive_round(strategy, manager, 4, train, evaluate=evaluated)
     for cluster, model in strategy.models.items():
         members = [p for p in range(len(GROUPS)) if strategy.assignment[p] == cluster]
-        (trained,) = [p for p in members if p in returned]  # max(1, floor(0.25 * 4)) = 1
-        np.testing.assert_array_equal(flat(model), returned[trained])
+        (trained,) = [p for p in members if p in train.models]  # max(1, floor(0.25 * 4)) = 1
+        np.testing.assert_array_equal(flat(model), train.models[trained])
         for pid in members:
-            np.testing.assert_array_equal(evaluated[pid], returned[trained])
+            np.testing.assert_array_equal(evaluated[pid], train.models[trained])
 
 
 def test_flhc_threshold_cut_on_update_distances(tmp_path):
@@ -356,7 +275,7 @@ def test_flhc_threshold_cut_on_update_distances(tmp_path):
     strategy = flhc(tmp_path, num_clusters=None, threshold=4.0)
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        run_round(strategy, manager, rnd, train)
+        drive_round(strategy, manager, rnd, train)
     assert strategy.clustering.num_clusters == 3
     merges = strategy.clustering.linkage[:, 2]
     assert merges[-3] < 4.0 < merges[-2]
@@ -366,18 +285,16 @@ def test_client_absent_from_clustering_joins_the_cluster_with_lowest_training_lo
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     absent = 5  # true group 1
     for rnd in (1, 2):
-        run_round(strategy, manager, rnd, train, fail={absent})
-    evaluated = {}
-    run_round(strategy, manager, 3, train, fail={absent},
-              accuracy=lambda pid, w: evaluated.setdefault(pid, flat(w)) is not None and 0.8)
+        drive_round(strategy, manager, rnd, train, fail={absent})
+    evaluated = EvaluatedModels()
+    drive_round(strategy, manager, 3, train, fail={absent}, evaluate=evaluated)
     assert strategy.assignment[absent] == UNASSIGNED
     np.testing.assert_array_equal(evaluated[absent], flat(strategy.joint_model))  # evaluated on the joint model
     row = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[2])
     assert "unassigned" in row["per_cluster_accuracy"] and row["unassigned_clients"] == 1
 
-    received = run_round(strategy, manager, 4, train)
-    task, models = received[absent]
-    assert task == "train_select" and len(models) == 3  # it receives every cluster model
+    received = drive_round(strategy, manager, 4, train)
+    assert received[absent].task == "train_select" and len(received[absent].models) == 3  # every cluster model
     peers = [p for p in range(len(GROUPS)) if GROUPS[p] == GROUPS[absent] and p != absent]
     assert strategy.assignment[absent] == strategy.assignment[peers[0]]
     assert json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["unassigned_clients"] == 0
@@ -391,10 +308,10 @@ def test_client_joining_after_clustering_is_placed_by_training_loss(tmp_path):
     )
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        received = run_round(strategy, manager, rnd, train)
+        received = drive_round(strategy, manager, rnd, train)
         assert newcomer not in received
-    received = run_round(strategy, manager, 4, train)
-    assert received[newcomer][0] == "train_select"
+    received = drive_round(strategy, manager, 4, train)
+    assert received[newcomer].task == "train_select"
     assert strategy.assignment[newcomer] == strategy.assignment[11]
 
 
@@ -402,25 +319,25 @@ def test_train_select_without_a_valid_choice_is_rejected(tmp_path):
     strategy, manager = flhc(tmp_path), client_manager(len(GROUPS))
     train = group_trainer(GROUPS)
     for rnd in (1, 2):
-        run_round(strategy, manager, rnd, train)
-    run_round(strategy, manager, 3, train, fail={0})
+        drive_round(strategy, manager, rnd, train)
+    drive_round(strategy, manager, 3, train, fail={0})
 
-    def no_choice(pid, models, config):
-        weights, n, metrics = train(pid, models, config)
+    def no_choice(client: Received):
+        weights, n, metrics = train(client)
         metrics.pop(SELECTED, None)
         return weights, n, metrics
 
-    run_round(strategy, manager, 4, no_choice)
+    drive_round(strategy, manager, 4, no_choice)
     assert strategy.assignment[0] == UNASSIGNED
 
 
 def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
-        run_round(strategy, manager, rnd, train)
-    run_round(strategy, manager, 3, train, fail=set(range(len(GROUPS))))
+        drive_round(strategy, manager, rnd, train)
+    drive_round(strategy, manager, 3, train, fail=set(range(len(GROUPS))))
     assert not strategy.clustered and strategy.phase(3) == "clustering"
-    received = run_round(strategy, manager, 4, train)
+    received = drive_round(strategy, manager, 4, train)
     assert len(received) == len(GROUPS) and strategy.clustering.round == 4
     assert strategy.phase(4) == "clustering" and strategy.phase(5) == "clustered"
     assert json.loads((tmp_path / "summary.json").read_text())["clustering_round"] == 4
@@ -429,7 +346,7 @@ def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
 def test_results_contract_files(tmp_path):
     strategy, manager, train = flhc(tmp_path, rounds=5), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in range(1, 6):
-        run_round(strategy, manager, rnd, train, accuracy=lambda pid, w: 0.4 + 0.1 * (pid % 3))
+        drive_round(strategy, manager, rnd, train, evaluate=lambda pid, w: (0.5, {ACCURACY: 0.4 + 0.1 * (pid % 3)}))
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["phase"] for r in rows] == ["fedavg", "fedavg", "clustering", "clustered", "clustered"]
@@ -473,29 +390,16 @@ def test_two_clients_claiming_one_partition_id_keep_the_first(tmp_path):
 # ---- hostile and unlucky federations (review findings) ------------------------------
 
 
-def fit_res(weights, n=10, metrics=None, tensors=None):
-    parameters = ndarrays_to_parameters(weights)
-    if tensors is not None:
-        parameters.tensors = tensors
-    return FitRes(Status(Code.OK, ""), parameters, n, metrics or {})
-
-
 def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
     outcomes = []
     for order_seed in (1, 2):
         strategy, manager = flhc(tmp_path / str(order_seed), linkage="single"), client_manager(len(GROUPS))
         train = group_trainer(GROUPS)
         for rnd in (1, 2):
-            run_round(strategy, manager, rnd, train)
-        instructions = strategy.configure_fit(3, None, manager)
-        results = []
-        for proxy, ins in instructions:
-            weights, n, metrics = train(proxy.pid, received_models(ins), ins.config)
-            results.append((proxy, fit_res(weights, n, metrics)))
-        np.random.default_rng(order_seed).shuffle(results)
-        strategy.aggregate_fit(3, results, [])
+            drive_round(strategy, manager, rnd, train)
+        drive_round(strategy, manager, 3, train, shuffle=np.random.default_rng(order_seed))  # the clustering round
         outcomes.append((strategy.assignment.tolist(), strategy.clustering.linkage.tolist(),
-                         sorted(run_round(strategy, manager, 4, train))))
+                         sorted(drive_round(strategy, manager, 4, train))))
     assert outcomes[0] == outcomes[1]
 
 
@@ -504,7 +408,7 @@ def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
     [
         lambda ok: fit_res(ok, tensors=[b"not an array"] * len(SHAPES)),
         lambda ok: fit_res([np.full(s, "x") for s in SHAPES]),
-        lambda ok: fit_res([np.full(s, 3e38, np.float32) for s in SHAPES]),
+        lambda ok: fit_res(constant_model(3e38)),
         lambda ok: fit_res([w.astype(np.int64) for w in ok]),
         lambda ok: fit_res(ok, n=10**18),
         lambda ok: fit_res(ok, n=0),
@@ -516,7 +420,7 @@ def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply
     strategy = FedAvg(FractionOptions(1.0), setup)
     manager = client_manager(2)
     instructions = strategy.configure_fit(1, None, manager)
-    good = [np.ones(s, np.float32) for s in SHAPES]
+    good = constant_model(1.0)
     results = [(instructions[0][0], fit_res(good)), (instructions[1][0], reply(good))]
     strategy.aggregate_fit(1, results, [])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)  # only the good update counted
@@ -525,16 +429,9 @@ def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply
 
 def test_bad_metrics_never_become_results(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4, rounds=1))
-    manager = client_manager(4)
-    instructions = strategy.configure_fit(1, None, manager)
-    good = [np.ones(s, np.float32) for s in SHAPES]
-    strategy.aggregate_fit(1, [(p, fit_res(good, metrics={"train_loss": "x"})) for p, _ in instructions], [])
     accuracies = [0.5, "high", 1e6, float("nan")]
-    results = [
-        (proxy, EvaluateRes(Status(Code.OK, ""), 0.1, 5, {"accuracy": acc}))
-        for (proxy, _), acc in zip(strategy.configure_evaluate(1, None, manager), accuracies)
-    ]
-    strategy.aggregate_evaluate(1, results, [])
+    drive_round(strategy, client_manager(4), 1, lambda client: (constant_model(1.0), 10, {TRAIN_LOSS: "x"}),
+                evaluate=lambda pid, w: (0.1, {ACCURACY: accuracies[pid]}))
     row = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[0])
     assert row["mean_client_accuracy"] == 0.5 and row["eval_failures"] == 3
     assert row["mean_train_loss"] is None  # "x" is not a loss
@@ -574,10 +471,10 @@ def test_no_answering_client_stops_the_run_with_the_reason(tmp_path):
 def test_clustering_waits_for_a_quorum_of_updates(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
-        run_round(strategy, manager, rnd, train)
-    run_round(strategy, manager, 3, train, fail=set(range(9)))  # 3 of 12 < 0.5 quorum
+        drive_round(strategy, manager, rnd, train)
+    drive_round(strategy, manager, 3, train, fail=set(range(9)))  # 3 of 12 < 0.5 quorum
     assert not strategy.clustered
-    run_round(strategy, manager, 4, train)
+    drive_round(strategy, manager, 4, train)
     assert strategy.clustering.round == 4 and strategy.clustering.num_clusters == 3
 
 
@@ -591,14 +488,9 @@ def test_round_means_do_not_depend_on_reply_order(tmp_path):
     means = []
     for order_seed in (1, 2, 3):
         strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path / str(order_seed), 10))
-        manager = client_manager(10)
-        strategy.configure_fit(1, None, manager)
-        results = [
-            (proxy, EvaluateRes(Status(Code.OK, ""), accuracies[proxy.pid] / 3, 5, {"accuracy": accuracies[proxy.pid]}))
-            for proxy, _ in strategy.configure_evaluate(1, None, manager)
-        ]
-        np.random.default_rng(order_seed).shuffle(results)
-        strategy.aggregate_evaluate(1, results, [])
+        drive_round(strategy, client_manager(10), 1, lambda client: (constant_model(1.0), 10, {}),
+                    evaluate=lambda pid, w: (accuracies[pid] / 3, {ACCURACY: accuracies[pid]}),
+                    shuffle=np.random.default_rng(order_seed))
         row = json.loads((tmp_path / str(order_seed) / "rounds.jsonl").read_text())
         means.append((row["mean_client_accuracy"], row["mean_test_loss"]))
     assert means[0] == means[1] == means[2]
@@ -607,37 +499,19 @@ def test_round_means_do_not_depend_on_reply_order(tmp_path):
 # ---- resume from a checkpoint ------------------------------------------------------------
 
 
-def seeded_group_trainer(groups: np.ndarray) -> GroupTrain:
-    """Like group_trainer, but its noise depends only on (client, round), as real clients' seeds do."""
-    targets = np.random.default_rng(0).normal(size=(groups.max() + 1, DIM)) * 5
-
-    def train(pid, models, config):
-        rng = np.random.default_rng([pid, int(config["round"])])
-        metrics = {"partition_id": pid, "train_loss": 1.0}
-        chosen = 0
-        if config[TASK_KEY] == TRAIN_SELECT.name:
-            losses = [np.linalg.norm(flat(m) - targets[groups[pid]]) for m in models]
-            chosen = int(np.argmin(losses))
-            metrics |= select_metrics(chosen, losses)
-        w = flat(models[chosen])
-        return unflatten(w + 0.5 * (targets[groups[pid]] - w) + 0.01 * rng.normal(size=DIM)), 10 + pid, metrics
-
-    return train
-
-
 def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     def strategy_in(folder, **extra):
         opts = FLHCOptions(client_fraction=0.25, rounds_before_clustering=2, distance="l2", linkage="average", num_clusters=3)
         return FLHC(opts, make_setup(folder, len(GROUPS), true=GROUPS, rounds=6, checkpoint_every=3, **extra))
 
-    train = seeded_group_trainer(GROUPS)
+    train = group_trainer(GROUPS, noise_per_client_and_round=True)
     whole = strategy_in(tmp_path / "whole", join_round={7: 5})
     for rnd in range(1, 7):
-        run_round(whole, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
+        drive_round(whole, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
 
     first = strategy_in(tmp_path / "resumed", join_round={7: 5})
     for rnd in range(1, 4):
-        run_round(first, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
+        drive_round(first, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
     checkpoint = load_checkpoint(tmp_path / "resumed")
     assert checkpoint["round"] == 3 and checkpoint["strategy"]["joint_model"] is not None
 
@@ -646,15 +520,14 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     resumed = FLHC(first.options, replace(setup, recorder=recorder))
     resume(resumed, checkpoint)
     for flower_round in (1, 2, 3):  # Flower counts the remaining rounds from 1 again
-        run_round(resumed, client_manager(len(GROUPS)), flower_round, train)
+        drive_round(resumed, client_manager(len(GROUPS)), flower_round, train)
 
     assert resumed.assignment.tolist() == whole.assignment.tolist()
     for cluster in whole.models:
         np.testing.assert_array_equal(flat(resumed.models[cluster]), flat(whole.models[cluster]))
 
     def rows(folder):
-        return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
-                for line in (folder / "rounds.jsonl").read_text().splitlines()]
+        return rows_without_timing([json.loads(line) for line in (folder / "rounds.jsonl").read_text().splitlines()])
 
     assert rows(tmp_path / "resumed") == rows(tmp_path / "whole")
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
@@ -666,7 +539,7 @@ def test_flhc_clusters_projected_updates(tmp_path):
     strategy = flhc(tmp_path, projection_dim=8, save_updates=True)
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        run_round(strategy, manager, rnd, train)
+        drive_round(strategy, manager, rnd, train)
     saved = np.load(tmp_path / "updates.npy")
     assert saved.shape == (len(GROUPS), 8)  # rows in clustered_clients order
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -675,21 +548,14 @@ def test_flhc_clusters_projected_updates(tmp_path):
 
 def test_saved_updates_are_the_clients_deltas(tmp_path):
     strategy = flhc(tmp_path, save_updates=True)
-    manager = client_manager(len(GROUPS))
-    returned = {}
-
-    def train(pid, models, config):
-        weights, n, metrics = group_trainer(GROUPS)(pid, models, config)
-        returned[pid] = flat(weights)
-        return weights, n, metrics
-
+    manager, train = client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2):
-        run_round(strategy, manager, rnd, train)
+        drive_round(strategy, manager, rnd, train)
     joint = flat(strategy.models[0]).copy()
-    run_round(strategy, manager, 3, train)
+    drive_round(strategy, manager, 3, train)
     saved = np.load(tmp_path / "updates.npy")
     for row, pid in enumerate(strategy.clustering.pids):
-        np.testing.assert_allclose(saved[row], returned[pid] - joint, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(saved[row], train.models[pid] - joint, rtol=1e-6, atol=1e-6)
 
 
 def test_dendrogram_draws_the_threshold(tmp_path, monkeypatch):
@@ -701,15 +567,13 @@ def test_dendrogram_draws_the_threshold(tmp_path, monkeypatch):
     strategy = flhc(tmp_path, num_clusters=None, threshold=4.0)
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        run_round(strategy, manager, rnd, train)
+        drive_round(strategy, manager, rnd, train)
     assert 4.0 in drawn and (tmp_path / "dendrogram.png").stat().st_size > 0
 
 
 def test_a_float64_reply_is_stored_in_the_models_dtype(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 2))
-    instructions = strategy.configure_fit(1, None, client_manager(2))
-    wide = [np.full(s, 0.1, np.float64) for s in SHAPES]
-    strategy.aggregate_fit(1, [(proxy, fit_res(wide)) for proxy, _ in instructions], [])
+    drive_round(strategy, client_manager(2), 1, lambda client: (constant_model(0.1, np.float64), 10, {}))
     assert all(a.dtype == np.float32 for a in strategy.client_models[0])
     np.testing.assert_allclose(strategy.client_models[0][0], 0.1, rtol=1e-6)
 
@@ -717,15 +581,15 @@ def test_a_float64_reply_is_stored_in_the_models_dtype(tmp_path):
 def test_local_trains_every_client_every_round(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 5))
     for rnd in (1, 2):
-        assert sorted(run_round(strategy, client_manager(5), rnd, group_trainer(np.zeros(5, int)))) == [0, 1, 2, 3, 4]
+        assert sorted(drive_round(strategy, client_manager(5), rnd, group_trainer(np.zeros(5, int)))) == [0, 1, 2, 3, 4]
 
 
 def test_a_torn_checkpoint_is_detected(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2, rounds=2, checkpoint_every=1))
     manager = client_manager(2)
-    run_round(strategy, manager, 1, group_trainer(np.zeros(2, int)))
+    drive_round(strategy, manager, 1, group_trainer(np.zeros(2, int)))
     state_after_round_1 = (tmp_path / "checkpoint" / "state.json").read_text()
-    run_round(strategy, manager, 2, group_trainer(np.zeros(2, int)))
+    drive_round(strategy, manager, 2, group_trainer(np.zeros(2, int)))
     (tmp_path / "checkpoint" / "state.json").write_text(state_after_round_1)  # as if stopped mid-write
     with pytest.raises(ValueError, match="torn"):
         load_checkpoint(tmp_path)
