@@ -390,20 +390,27 @@ class ExactlyOne:
     """Exactly one of the fields ``names`` is given (not None); the error names the first."""
 
     names: tuple[str, ...]
+    allows_none = False
 
     def __init__(self, *names: str) -> None:
         object.__setattr__(self, "names", names)
 
     def check(self, options: Any, prefix: str, context: Any) -> None:
         given = [n for n in self.names if getattr(options, n) is not None]
-        if len(given) == 1:
+        if len(given) == 1 or (self.allows_none and not given):
             return
         if not given:
             got = "neither" if len(self.names) == 2 else "none"
         else:
             got = _and([f"{option_key(options, n)} {describe(getattr(options, n))}" for n in given])
         keys = [option_key(options, n, prefix) for n in self.names]
-        raise ConfigError(keys[0], f"give exactly one of {_and(keys)}; got {got}")
+        raise ConfigError(keys[0], f"give {'at most' if self.allows_none else 'exactly'} one of {_and(keys)}; got {got}")
+
+
+class AtMostOne(ExactlyOne):
+    """At most one of the fields ``names`` is given (not None); the error names the first."""
+
+    allows_none = True
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from fedcluster_flwr.clustering import (
     pairwise_distances,
     purity,
     renumber,
+    silhouette_cut,
 )
 
 VALID_PAIRS = [(d, link) for d, link in itertools.product(DISTANCES, LINKAGES) if link != "ward" or d == "l2"]
@@ -110,12 +111,39 @@ def test_ward_needs_l2(distance):
         hierarchical_clustering(vectors, distance, "ward", num_clusters=2)
 
 
-def test_exactly_one_of_threshold_and_num_clusters():
+def test_at_most_one_of_threshold_and_num_clusters():
     vectors, _ = grouped_updates()
-    with pytest.raises(ValueError, match="exactly one"):
-        hierarchical_clustering(vectors, "l2", "single")
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="at most one"):
         hierarchical_clustering(vectors, "l2", "single", threshold=1.0, num_clusters=2)
+
+
+@pytest.mark.parametrize("num_groups", [2, 3, 5])
+@pytest.mark.parametrize(("distance", "linkage"), [("l1", "complete"), ("l2", "average"), ("cosine", "single")])
+def test_without_a_cut_the_largest_silhouette_finds_the_groups(num_groups, distance, linkage):
+    vectors, true = grouped_updates(num_groups=num_groups, per_group=5, seed=num_groups)
+    result = hierarchical_clustering(vectors, distance, linkage)
+    assert result.num_clusters == num_groups and purity(true, result.labels) == 1.0
+
+
+def test_the_silhouette_cut_is_the_k_with_the_largest_silhouette():
+    from sklearn.metrics import silhouette_score
+
+    rng = np.random.default_rng(7)
+    distances = pdist(rng.normal(size=(15, 6)))  # no groups: every K scores something
+    tree = hierarchy.linkage(distances, method="average")
+    scores = {k: silhouette_score(squareform(distances), hierarchy.fcluster(tree, k, "maxclust"), metric="precomputed")
+              for k in range(2, 15)}
+    chosen = silhouette_cut(tree, distances)
+    assert chosen.max() == max(scores, key=scores.get)
+    assert np.array_equal(silhouette_cut(hierarchy.linkage(pdist(np.eye(2)), "single"), pdist(np.eye(2))), [1, 1])
+
+
+def test_the_silhouette_cut_skips_numbers_of_clusters_that_tied_merges_make_impossible():
+    grid = np.array([[i, j] for i in range(4) for j in range(3)], dtype=float)
+    grid[:6] += 10  # two grids of 6 points; inside each, every single-linkage merge is at distance 1
+    distances = pdist(grid, "cityblock")
+    labels = silhouette_cut(hierarchy.linkage(distances, "single"), distances)
+    assert labels.tolist() == [1] * 6 + [2] * 6
 
 
 def test_single_vector_forms_one_cluster():

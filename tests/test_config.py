@@ -147,7 +147,7 @@ BAD_CONFIGS = [
     (["partition.test_fraction=1.5"], "partition.test_fraction", "must be in (0, 1)"),
     (["strategy.treshold=3"], "strategy.treshold", "did you mean 'threshold'"),
     (["strategy.linkage=ward", "strategy.distance=cosine"], "strategy.linkage", "ward linkage needs distance l2"),
-    (["strategy.num_clusters=4"], "strategy.threshold", "exactly one of"),
+    (["strategy.num_clusters=4"], "strategy.threshold", "at most one of"),
     (["strategy.rounds_before_clustering=30"], "strategy.rounds_before_clustering", "must fall within rounds"),
     (["strategy.projection_dim=64"], "strategy.projection_dim", "l2/cosine"),
     (["partition.name=rotation", "partition.cluster_sizes=[10,10]"], "partition.cluster_sizes",
@@ -253,36 +253,10 @@ def test_cli_reports_user_mistakes_in_one_line_without_traceback(args, phrase):
 
 CONF_FILES = sorted((ROOT / "conf").glob("*.yaml"))
 
-# The (conf, strategy) pairs that `--set strategy.name=STRATEGY` refuses, and the key the one-line error
-# names. Each is a real incompatibility: FL+HC and one-shot HFL cut a dendrogram, and neither paper
-# gives a default cut (a threshold is in units of that algorithm's own distance), so they need a
-# `num_clusters` (the one cut that means the same for every strategy, carried over) or their own
-# threshold; these confs' strategies give neither.
-SWAPS_REFUSED = {
-    ("dac_cifar10_label_shift.yaml", "flhc"): "strategy.threshold",
-    ("dac_cifar10_label_shift.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("dac_fmnist_rot4.yaml", "flhc"): "strategy.threshold",
-    ("dac_fmnist_rot4.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("dac_fmnist_rot_unequal.yaml", "flhc"): "strategy.threshold",
-    ("dac_fmnist_rot_unequal.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("mnist_iid_fedavg.yaml", "flhc"): "strategy.threshold",
-    ("mnist_iid_fedavg.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    # FL+HC confs cut at an FL+HC threshold (a distance between updates), not one-shot's 1 - R
-    ("default.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("flhc_mnist_iid.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("flhc_mnist_label_swap.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("flhc_mnist_pathological.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("flhc_mnist_recommended.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    ("cfl_mnist_label_swap.yaml", "flhc"): "strategy.threshold",
-    ("cfl_mnist_label_swap.yaml", "oneshot_hfl"): "strategy.num_clusters",
-    # PACFL cuts a dendrogram of principal angles (degrees): as one-shot HFL, no other strategy's
-    # threshold means anything to it, and its paper gives no default cut
-    **{(conf, "pacfl"): "strategy.num_clusters" for conf in (
-        "cfl_mnist_label_swap.yaml", "dac_cifar10_label_shift.yaml", "dac_fmnist_rot4.yaml",
-        "dac_fmnist_rot_unequal.yaml", "default.yaml", "flhc_mnist_iid.yaml", "flhc_mnist_label_swap.yaml",
-        "flhc_mnist_pathological.yaml", "flhc_mnist_recommended.yaml", "mnist_iid_fedavg.yaml",
-    )},
-}
+
+# The one (conf, strategy) pair `--set strategy.name=STRATEGY` refuses, and the key its one-line error
+# names: the conf's 10 rounds leave no room for FL+HC's 10 rounds before clustering.
+SWAPS_REFUSED = {("mnist_iid_fedavg.yaml", "flhc"): "strategy.rounds_before_clustering"}
 
 
 def _strategy_names():
@@ -295,7 +269,8 @@ def _strategy_names():
 @pytest.mark.parametrize("path", CONF_FILES, ids=lambda p: p.name)
 def test_every_strategy_swaps_in_on_every_conf_with_one_override(path, strategy, tmp_path, monkeypatch):
     """The swapped-in strategy gets the YAML's options that mean the same for it and its own defaults
-    for the rest; or, for the listed pairs only, one error line naming its key and the YAML's strategy."""
+    for the rest (FL+HC, one-shot HFL and PACFL given no cut cut at the largest silhouette); or, for the
+    listed pair only, one error line naming its key and the YAML's strategy."""
     from fedcluster_flwr.config import carries_over
     from fedcluster_flwr.schema import config_key
     from fedcluster_flwr.strategies import STRATEGIES

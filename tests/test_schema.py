@@ -10,6 +10,7 @@ import pytest
 
 from fedcluster_flwr.schema import (
     REQUIRED,
+    AtMostOne,
     ConfigError,
     ExactlyOne,
     InRegistry,
@@ -113,6 +114,22 @@ def test_an_exactly_one_violation_names_the_first_key_and_what_was_given():
     assert str(error(Clustering, {"threshold": 2.0, "num_clusters": 3})) == (
         "section.threshold: give exactly one of section.threshold and section.num_clusters; "
         "got threshold 2.0 and num_clusters 3")
+
+
+@dataclass(frozen=True)
+class Cut:
+    threshold: float | None = None
+    num_clusters: int | None = None
+
+
+def test_at_most_one_allows_neither_and_refuses_both():
+    cut = AtMostOne("threshold", "num_clusters")
+    cut.check(Cut(), "section", None)
+    cut.check(Cut(num_clusters=3), "section", None)
+    with pytest.raises(ConfigError) as err:
+        cut.check(Cut(threshold=2.0, num_clusters=3), "section", None)
+    assert (err.value.key, str(err.value)) == ("section.threshold", "section.threshold: give at most one of "
+                                                "section.threshold and section.num_clusters; got threshold 2.0 and num_clusters 3")
 
 
 def test_an_only_with_violation_names_the_subject_and_the_condition():

@@ -281,6 +281,15 @@ def test_flhc_threshold_cut_on_update_distances(tmp_path):
     assert merges[-3] < 4.0 < merges[-2]
 
 
+def test_flhc_without_a_cut_cuts_at_the_largest_silhouette_and_says_so(tmp_path):
+    strategy = flhc(tmp_path, num_clusters=None, threshold=None)
+    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    for rnd in (1, 2, 3):
+        drive_round(strategy, manager, rnd, train)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["clusters_found"], summary["purity"], summary["cut"]) == (3, 1.0, "largest silhouette")
+
+
 def test_client_absent_from_clustering_joins_the_cluster_with_lowest_training_loss(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     absent = 5  # true group 1

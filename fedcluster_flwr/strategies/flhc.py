@@ -7,7 +7,8 @@ The algorithm:
    returns its update dw = w_local - w_joint. The server clusters the updates
    with agglomerative (hierarchical) clustering, using distance ``l1``/``l2``/``cosine``
    and ``single``/``complete``/``average``/``ward`` linkage, cut at a distance
-   ``threshold`` (or into ``num_clusters``).
+   ``threshold`` (or into ``num_clusters``; given neither, where the silhouette is largest:
+   the paper tunes the threshold per dataset and gives no rule).
 3. Rounds n+2..: independent FedAvg inside each cluster, each cluster sampling ``cf``
    of its own members. Every cluster model starts from the joint model; the
    clustering round's updates are its first FedAvg step (each cluster averages
@@ -29,9 +30,9 @@ from typing import Any, Literal
 import numpy as np
 from flwr.common import NDArrays, log
 
-from ..clustering import ClusteringRecord, HacResult, UpdateMatrix, flatten, hierarchical_clustering
+from ..clustering import ClusteringRecord, HacResult, UpdateMatrix, cut_rule, flatten, hierarchical_clustering
 from ..protocol import MODEL
-from ..schema import ExactlyOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
+from ..schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
 from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 
@@ -51,7 +52,7 @@ class FLHCOptions:
     save_updates: bool = False  # write the clustering round's update matrix to updates.npy
 
     rules = (
-        ExactlyOne("threshold", "num_clusters"),
+        AtMostOne("threshold", "num_clusters"),
         OnlyWith(Is("linkage", "ward"), Is("distance", "l2"),
                  message="ward linkage needs distance l2 (it minimises Euclidean variance); got distance {distance}"),
         OnlyWith("projection_dim", IsNot("distance", "l1"),
@@ -129,16 +130,17 @@ class FLHC(ClusteredStrategy):
         hac = hierarchical_clustering(
             matrix.rows, opts.distance, opts.linkage, threshold=opts.threshold, num_clusters=opts.num_clusters
         )
-        self.clustering = ClusteringRecord.of(server_round, [u.pid for u in updates], hac)
+        cut = cut_rule(opts.threshold, opts.num_clusters)
+        self.clustering = ClusteringRecord.of(server_round, [u.pid for u in updates], hac, cut)
         self.joint_model = joint
         self.assignment[:] = UNASSIGNED
         self.assignment[list(self.clustering.pids)] = hac.labels
         self.models = {k: joint for k in range(hac.num_clusters)}
         log(
             INFO,
-            "FL+HC round %s: %d clients -> %d clusters of sizes %s (%s distance, %s linkage); %s",
+            "FL+HC round %s: %d clients -> %d clusters of sizes %s (%s distance, %s linkage, cut: %s); %s",
             server_round, len(updates), hac.num_clusters, np.bincount(hac.labels).tolist(),
-            opts.distance, opts.linkage, _distance_note(hac),
+            opts.distance, opts.linkage, cut, _distance_note(hac),
         )
         updates_file = {"updates.npy": matrix.rows} if opts.save_updates else {}
         return dict(self.artifacts()) | updates_file  # the dendrogram now, not only at the next checkpoint

@@ -11,8 +11,8 @@ The algorithm (``oneshot_hfl``):
    default) compares ‖G_i v_k^(j)‖ with client i's own k-th eigenvalue, as the paper's eq. 3 and
    Algorithm 2 do; ``amiri`` with client j's, as Amiri et al.'s original form (see
    :func:`~fedcluster_flwr.clustering.relevance_row`). The server forms R = (r + rᵀ)/2 (eq. 5) and clusters
-   1 − R agglomeratively into ``num_clusters`` T (or cut at ``threshold``) — once, before any
-   training.
+   1 − R agglomeratively into ``num_clusters`` T (or cut at ``threshold``; given neither, where the
+   silhouette is largest) — once, before any training.
 3. Rounds 3..: one local parameter server (LPS) model per cluster, FedAvg over a fraction
    ``client_fraction`` of its members each round. Every ``lps_rounds`` training rounds the
    global parameter server (GPS) averages the layers named by ``shared_layers`` (parameter
@@ -44,14 +44,14 @@ import numpy as np
 from flwr.common import Scalar, log
 
 from ..aggregation import average_layers
-from ..clustering import ClusteringRecord, cluster_by_relevance, relevance_matrix, within_and_across
+from ..clustering import ClusteringRecord, cluster_by_relevance, cut_rule, relevance_matrix, within_and_across
 from ..features import check_weights_file, feature_dim
 from ..models import model_outline, parameter_names, parameters_with_prefixes
 from ..protocol import MODEL
 from ..tasks import oneshot
 from ..tasks.oneshot import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ..results import plot_client_matrix
-from ..schema import ExactlyOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
+from ..schema import AtMostOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
 from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 
@@ -116,7 +116,7 @@ class OneShotOptions(FeatureMapOptions, HFLOptions):
     threshold: float | None = option(None, Interval(0, 1, closed="neither"))  # on 1 - R
     linkage: Literal["single", "complete", "average"] = "average"
 
-    rules = (ExactlyOne("num_clusters", "threshold"),)
+    rules = (AtMostOne("num_clusters", "threshold"),)
     experiment_rules = (CLUSTERS_FIT_CLIENTS,)
 
     def check_experiment(self, config: Any, prefix: str) -> None:
@@ -312,7 +312,7 @@ class OneShotHFL(HierarchicalFL):
     def _cluster(self, server_round: int, responders: list[int]) -> Artifacts:
         opts = self.options
         hac = cluster_by_relevance(self.relevance, opts.linkage, threshold=opts.threshold, num_clusters=opts.num_clusters)
-        self.clustering = ClusteringRecord.of(server_round, responders, hac)
+        self.clustering = ClusteringRecord.of(server_round, responders, hac, cut_rule(opts.threshold, opts.num_clusters))
         assignment = np.full(self.setup.num_clients, UNASSIGNED)
         assignment[responders] = hac.labels
         self.assignment[:] = assignment

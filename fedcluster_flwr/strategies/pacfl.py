@@ -15,7 +15,8 @@ The algorithm (``pacfl``), on the one-shot code path of :mod:`.oneshot_hfl`:
    A(i, j) = θ_1(U_i, U_j) (eq. 2, the default), ``sum_of_angles`` A(i, j) = Σ_k θ_k(U_i, U_j)
    (eq. 3 with true principal angles), or ``elementwise_min_angle``, the reference code's
    min_{a,b} arccos(u_a^(i) · u_b^(j)). Agglomerative clustering of A with ``linkage`` (the
-   reference scripts': average), cut at ``threshold`` degrees or into ``num_clusters``.
+   reference scripts': average), cut at ``threshold`` degrees or into ``num_clusters`` (given neither,
+   where the silhouette is largest).
 3. Then FedAvg inside each cluster: each round a fraction ``client_fraction`` of all (clustered,
    online) clients is sampled, as the paper's m = max(frac · N, 1), and each trains its cluster's
    model. No GPS step: ``shared_layers`` is empty unless asked (then the GPS of
@@ -49,6 +50,7 @@ from ..clustering import (
     ClusteringRecord,
     closest_cluster,
     cluster_square,
+    cut_rule,
     largest_proximity,
     proximity_matrix,
     subspace_proximity,
@@ -56,7 +58,7 @@ from ..clustering import (
 )
 from ..features import feature_dim
 from ..results import plot_client_matrix
-from ..schema import ExactlyOne, above, at_least, option, require
+from ..schema import AtMostOne, above, at_least, option, require
 from ..tasks import oneshot
 from ..tasks.oneshot import EIGENVECTORS, GRAM_EIGEN
 from .core import UNASSIGNED, Artifacts, Instruction, Reply, StrategySetup
@@ -73,7 +75,7 @@ class PACFLOptions(FeatureMapOptions, HFLOptions):
     num_clusters: int | None = option(None, at_least(1))
     linkage: Literal["single", "complete", "average"] = "average"
 
-    rules = (ExactlyOne("num_clusters", "threshold"),)
+    rules = (AtMostOne("num_clusters", "threshold"),)
     experiment_rules = (CLUSTERS_FIT_CLIENTS,)
 
     def check_experiment(self, config: Any, prefix: str) -> None:
@@ -127,7 +129,7 @@ class PACFL(HierarchicalFL):
         pids = sorted(bases)
         self.proximity = proximity_matrix([bases[p] for p in pids], opts.proximity)
         hac = cluster_square(self.proximity, opts.linkage, threshold=opts.threshold, num_clusters=opts.num_clusters)
-        self.clustering = ClusteringRecord.of(server_round, pids, hac)
+        self.clustering = ClusteringRecord.of(server_round, pids, hac, cut_rule(opts.threshold, opts.num_clusters))
         self.bases = bases
         self.assignment[:] = UNASSIGNED
         self.assignment[pids] = hac.labels
