@@ -32,6 +32,7 @@ from .schema import (
     REQUIRED,
     ConfigError,
     InRegistry,
+    HostPort,
     Interval,
     above,
     at_least,
@@ -118,6 +119,10 @@ class SimulationConfig:
     # Kernels every x86-64 CPU with AVX2 runs alike (numerics.PORTABLE_NUMERICS), one thread per
     # process: a seed then fixes a CPU run bit for bit across CPU models and vendors.
     portable_numerics: bool = False
+    # An existing Ray cluster to run the clients on: its head's HOST:PORT, as `ray start --head`
+    # prints it. null: Ray starts on this machine for this run and ends with it (see the README's
+    # "A Ray cluster of several machines").
+    ray_address: str | None = option(None, HostPort("10.0.0.1:6379"))
 
     def validate(self, prefix: str) -> None:
         for pid, first in self.join_round.items():

@@ -43,6 +43,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -111,13 +112,6 @@ def simulate(job: Job, on_round: Any) -> None:
 
     config = job.config
     configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
-    backend_config = {
-        "client_resources": {
-            "num_cpus": config.simulation.num_cpus_per_client,
-            "num_gpus": config.simulation.num_gpus_per_client,
-        },
-        "init_args": {"logging_level": "INFO" if job.verbose else "ERROR", "log_to_driver": job.verbose},
-    }
     with _quiet(job.verbose):
         run_simulation(
             server_app=make_server_app(
@@ -125,9 +119,57 @@ def simulate(job: Job, on_round: Any) -> None:
             ),
             client_app=ClientApp(client_fn=make_client_fn(config)),
             num_supernodes=config.partition.num_clients,
-            backend_config=backend_config,
+            backend_config=backend_config(config, job.verbose),
             verbose_logging=job.verbose,
         )
+
+
+def backend_config(config: ExperimentConfig, verbose: bool) -> dict[str, Any]:
+    """Flower's Ray backend config: each client's Ray resources, and where Ray runs.
+
+    Without ``simulation.ray_address`` Ray starts on this machine for this run, in this process group,
+    and ends with it (see above). ``address="local"`` says so to Ray: otherwise ``RAY_ADDRESS``, or a
+    ``ray start`` on this machine, would make the run join that cluster instead.
+
+    With it, this process joins that cluster as one more driver. Ray then refuses ``num_cpus``,
+    ``num_gpus``, ``resources`` and ``object_store_memory`` (each node got its own from ``ray start``),
+    and none is passed. The cluster's processes are not in this process group, so ending the run
+    leaves the cluster running; the clients' actors belong to this driver, and Ray ends them when it
+    exits. Flower's ``ray.init`` adds ``runtime_env={"env_vars": {"PYTHONPATH": <this process's
+    sys.path>}}`` (flwr 1.41), so a ``runtime_env`` here would be passed twice; other machines need
+    the package installed at the same path (see the README).
+    """
+    address = config.simulation.ray_address
+    return {
+        "client_resources": {
+            "num_cpus": config.simulation.num_cpus_per_client,
+            "num_gpus": config.simulation.num_gpus_per_client,
+        },
+        "init_args": {
+            "address": "local" if address is None else address,
+            "logging_level": "INFO" if verbose else "ERROR",
+            "log_to_driver": verbose,
+        },
+    }
+
+
+def check_ray_address(config: ExperimentConfig, timeout_s: float = 5.0) -> None:
+    """Refuse a ``simulation.ray_address`` at which nothing answers, before the run starts: Ray's
+    ``ray.init`` retries such an address for minutes (still retrying after 120 s, ray 2.55)."""
+    from .schema import ConfigError
+
+    address = config.simulation.ray_address
+    if address is None:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(
+            "simulation.ray_address",
+            f"no Ray cluster answers at {address} ({err.strerror or err}): is its head running "
+            f"(ray start --head --port={port} on that machine), and is this the address it printed?",
+        ) from None
 
 
 def main(events_fd: int) -> None:

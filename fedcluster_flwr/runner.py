@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import yaml
 
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
-from .engine import Job, encode_job
+from .engine import Job, check_ray_address, encode_job
 from .results import DamagedRunError, RoundRow, atomic_write, branch_run, check_resumable, checkpoint_array_shape
 from .schema import ConfigError, require
 
@@ -228,13 +228,15 @@ def _restore(handlers: dict[int, Any]) -> None:
 
 
 def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
-    """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory."""
+    """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory, a Ray
+    cluster that does not answer."""
     from .experiment import configure_torch, experiment_data
 
     if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
         raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
     configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)
+    check_ray_address(config)
 
 
 def no_checkpoint_message(run_dir: Path) -> str:

@@ -302,6 +302,21 @@ class InRegistry:
         return f"unknown {self.what} {describe(value)}; available: {', '.join(self.registry)}"
 
 
+@dataclass(frozen=True)
+class HostPort:
+    """A network address ``HOST:PORT`` (``[::1]:6379`` for an IPv6 host), port 1-65535, no scheme;
+    ``example`` shows the form in the error."""
+
+    example: str
+
+    def violation(self, value: Any) -> str | None:
+        host, _, port = str(value).rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if host and "/" not in host and not any(c.isspace() for c in host) and port.isdigit() and 1 <= int(port) <= 65535:
+            return None
+        return f"expected HOST:PORT such as {self.example}, got {describe(value)}"
+
+
 def as_yaml(value: Any) -> str:
     """A value as it is written in YAML (``true``, ``null``, ``random_projection``), for messages."""
     if value is None:
