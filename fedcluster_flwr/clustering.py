@@ -32,9 +32,10 @@ from sklearn.random_projection import SparseRandomProjection
 DISTANCES = ("l1", "l2", "cosine")
 LINKAGES = ("single", "complete", "average", "ward")
 # Columns per block of the pairwise distances: an l1 block (all rows) stays in a core's L2 cache
-# while pdist walks its pairs (128 columns at 1,000 rows, the fastest measured there); a Gram
-# block is wide enough for BLAS to run near its peak.
-L1_BLOCK_BYTES = 512 * 2**10
+# while pdist walks its pairs (262 columns at 1,000 rows: fewer float64 additions of the N²/2
+# sums than at 131, measured faster; benchmarks/clustering); a Gram block is wide enough for
+# BLAS to run near its peak.
+L1_BLOCK_BYTES = 2**20
 MIN_L1_BLOCK_COLUMNS = 64
 GRAM_BLOCK_COLUMNS = 32_768
 

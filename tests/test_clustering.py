@@ -125,15 +125,16 @@ def resident_gb(field: str) -> float:
 @pytest.mark.parametrize("distance", DISTANCES)
 def test_distances_never_copy_the_update_matrix(distance):
     """The step's peak resident memory above what was resident before it (torch's allocations
-    included, which tracemalloc does not see) stays far below the 49 MB matrix: a block per
-    worker and a few N x N matrices."""
-    vectors = random_rows(64, 200_000)  # 49 MB
+    included, which tracemalloc does not see) stays far below the 98 MB matrix: a block per
+    worker (1 MB), a few N x N matrices and the worker threads' allocator overhead (measured:
+    up to 13 MB)."""
+    vectors = random_rows(64, 400_000)  # 98 MB
     pairwise_distances(vectors[:, :1000], distance)  # torch's one-off start-up allocations
     before = resident_gb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     pairwise_distances(vectors, distance)
     extra = resident_gb("VmHWM") - before
-    assert extra < 12 / 1024, f"{extra * 1024:.1f} MB extra for a {vectors.nbytes / 2**20:.0f} MB matrix"
+    assert extra < 25 / 1024, f"{extra * 1024:.1f} MB extra for a {vectors.nbytes / 2**20:.0f} MB matrix"
 
 
 @pytest.mark.parametrize(("distance", "linkage"), VALID_PAIRS)
