@@ -1,10 +1,10 @@
 """Server-side clustering: update matrices, pairwise distances, HAC and cluster scores.
 
 The strategy writes each client's update into one float32 matrix (N x d) as it
-deserializes them one at a time; distances are then computed block by block within a
-fixed working budget (256 MB, plus the N x N distance matrix), so FL+HC's clustering
-adds that matrix plus the budget to what Flower itself holds (the N received updates,
-as bytes). For l2/cosine,
+deserializes them one at a time; distances are then summed over blocks of columns on
+every core, each core holding one block and an N x N float64 sum (8 MB at N = 1,000), so
+FL+HC's clustering adds little more than that matrix to what Flower itself holds (the N
+received updates, as bytes). For l2/cosine,
 ``projection_dim`` projects each update on arrival with a sparse random projection
 (Johnson-Lindenstrauss), shrinking the matrix to N x projection_dim; for 1,000 clients
 of a 1.7 M-parameter model that is the difference between 6.6 GB and a few MB.
@@ -13,21 +13,33 @@ of a 1.7 M-parameter model that is the difference between 6.6 GB and a few MB.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from scipy.cluster import hierarchy
-from scipy.spatial.distance import cdist, squareform
+from scipy.spatial.distance import squareform
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
 from sklearn.random_projection import SparseRandomProjection
 
 DISTANCES = ("l1", "l2", "cosine")
 LINKAGES = ("single", "complete", "average", "ward")
-WORKING_MEMORY_MB = 256
+# Columns per block of the pairwise distances (benchmarks/clustering): one pdist call's l1 block
+# (all rows) stays in a core's L2 cache while pdist walks its pairs (262 columns at 1,000 rows),
+# and the float32 sums of L1_BLOCKS_PER_SUM such blocks make one float64 addition (adding N²/2
+# float32 values to float64 costs about a tenth of a block's pdist); a Gram block is wide
+# enough for BLAS to run near its peak.
+L1_BLOCK_BYTES = 2**20
+MIN_L1_BLOCK_COLUMNS = 64
+L1_BLOCKS_PER_SUM = 8
+GRAM_BLOCK_COLUMNS = 32_768
 
 
 def flatten(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -53,65 +65,95 @@ class UpdateMatrix:
         self.rows[row] = vector
 
 
-def pairwise_distances(
-    vectors: np.ndarray, distance: str, working_memory_mb: int = WORKING_MEMORY_MB
-) -> np.ndarray:
-    """Condensed pairwise distance vector (as scipy's ``pdist``) in bounded memory."""
+def pairwise_distances(vectors: np.ndarray, distance: str, block_columns: int | None = None) -> np.ndarray:
+    """Condensed pairwise distance vector (as scipy's ``pdist``), float64, without copying ``vectors``.
+
+    Sums over blocks of columns (all rows, ``block_columns`` wide; by default a width suited to
+    each metric): l1 from torch's ``pdist`` of each block, l2 and cosine from each block's Gram
+    matrix; float32 input is computed in float32 within a block (l1: within
+    ``L1_BLOCKS_PER_SUM`` blocks) and summed over blocks in float64.
+    """
     if distance not in DISTANCES:
         raise ValueError(f"unknown distance {distance!r}; expected one of {DISTANCES}")
+    vectors = np.asarray(vectors)
+    if vectors.dtype not in (np.float32, np.float64):
+        vectors = vectors.astype(np.float32)
+    rows = torch.from_numpy(vectors)  # shares the memory
+    count = len(rows)
     if distance == "l1":
-        square = _blocked_cityblock(vectors, working_memory_mb)
+        width = block_columns or max(MIN_L1_BLOCK_COLUMNS, L1_BLOCK_BYTES // (rows.element_size() * max(count, 1)))
+        return _sum_over_column_blocks(
+            rows, functools.partial(_l1_sum, width=width), width * L1_BLOCKS_PER_SUM, (count * (count - 1) // 2,)
+        ).numpy()
+    width = block_columns or GRAM_BLOCK_COLUMNS
+    gram = _sum_over_column_blocks(rows, lambda block: block @ block.T, width, (count, count))
+    return _distances_from_gram(gram.numpy(), distance)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity, where the platform reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _sum_over_column_blocks(
+    rows: torch.Tensor, block_sum: Callable[[torch.Tensor], torch.Tensor], width: int, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Sum of ``block_sum(rows[:, block])`` over consecutive blocks of ``width`` columns, in float64.
+
+    One worker thread per available core, each summing every k-th block with a single-threaded
+    torch (the kernels release the GIL): the simulation leaves torch at one thread, and measured
+    on a loaded 2-core machine, workers that never wait for each other beat torch's own
+    thread pool, whose every kernel call waits for all its threads (benchmarks/clustering).
+    Which worker sums which block depends only on the core count, so a result is reproducible.
+    """
+    starts = range(0, rows.shape[1], width)
+    workers = max(1, min(available_cores(), len(starts)))
+
+    def worker_sum(first: int) -> torch.Tensor:
+        total = torch.zeros(shape, dtype=torch.float64)
+        for start in starts[first::workers]:
+            total += block_sum(rows[:, start : start + width])
+        return total
+
+    with torch_threads(1), ThreadPoolExecutor(workers) as pool:
+        return functools.reduce(torch.add, pool.map(worker_sum, range(workers)))
+
+
+def _l1_sum(blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """Condensed l1 distances of ``blocks`` (N x columns): torch's pdist of each ``width`` columns, summed."""
+    # pdist needs a contiguous block: a copy of width columns, not of the matrix
+    total = torch.nn.functional.pdist(blocks[:, :width].contiguous(), p=1)
+    for start in range(width, blocks.shape[1], width):
+        total += torch.nn.functional.pdist(blocks[:, start : start + width].contiguous(), p=1)
+    return total
+
+
+def _distances_from_gram(gram: np.ndarray, distance: str) -> np.ndarray:
+    """Condensed l2 or cosine distances from the Gram matrix (its diagonal: the squared norms).
+
+    A zero update is at cosine distance 1 from everything.
+    """
+    squared_norms = np.diagonal(gram)
+    if distance == "l2":
+        square = np.sqrt(np.maximum(squared_norms[:, None] + squared_norms[None, :] - 2.0 * gram, 0.0))
     else:
-        square = _blocked_gram_distances(vectors, distance, working_memory_mb)
+        norms = np.sqrt(squared_norms)
+        inverse_norms = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+        square = 1.0 - gram * inverse_norms[:, None] * inverse_norms[None, :]
     square = np.maximum((square + square.T) / 2, 0.0)  # symmetric, no round-off negatives
     np.fill_diagonal(square, 0.0)
     return squareform(square, checks=False)
-
-
-def _blocked_cityblock(vectors: np.ndarray, working_memory_mb: int) -> np.ndarray:
-    """L1 distances; scipy upcasts each block to float64, so blocks are sized to the budget."""
-    n, dim = vectors.shape
-    rows = max(1, int(working_memory_mb * 2**20 // (2 * 8 * max(dim, 1))))
-    square = np.zeros((n, n))
-    for i in range(0, n, rows):
-        for j in range(i, n, rows):
-            block = cdist(vectors[i : i + rows], vectors[j : j + rows], metric="cityblock")
-            square[i : i + rows, j : j + rows] = block
-            square[j : j + rows, i : i + rows] = block.T
-    return square
-
-
-def _row_norms(vectors: np.ndarray, working_memory_mb: int) -> np.ndarray:
-    """Float64 row norms, a block of rows at a time (np.linalg.norm would square a full copy)."""
-    rows = max(1, int(working_memory_mb * 2**20 // (16 * max(vectors.shape[1], 1))))  # a float64 copy + its square
-    return np.concatenate(
-        [np.linalg.norm(vectors[i : i + rows].astype(np.float64), axis=1) for i in range(0, len(vectors), rows)]
-    ) if len(vectors) else np.zeros(0)
-
-
-def _blocked_gram_distances(vectors: np.ndarray, distance: str, working_memory_mb: int) -> np.ndarray:
-    """l2 or cosine distances from the Gram matrix, one block of rows against all at a time.
-
-    Dot products come from float32 BLAS, norms in float64: sklearn's chunked versions
-    either upcast batches sized to a tenth of the data (l2) or normalize a full copy of
-    the matrix (cosine), which at 1,000 x 1.7 M adds gigabytes. A zero update is at
-    cosine distance 1 from everything.
-    """
-    n = len(vectors)
-    norms = _row_norms(vectors, working_memory_mb)
-    rows = max(1, int(working_memory_mb * 2**20 // (12 * max(n, 1))))
-    squared_norms = norms**2
-    inverse_norms = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
-    square = np.empty((n, n))
-    for i in range(0, n, rows):
-        dots = (vectors[i : i + rows] @ vectors.T).astype(np.float64)
-        block = slice(i, i + rows)
-        if distance == "l2":
-            squared = squared_norms[block, None] + squared_norms[None, :] - 2.0 * dots
-            square[block] = np.sqrt(np.maximum(squared, 0.0))
-        else:
-            square[block] = 1.0 - dots * inverse_norms[block, None] * inverse_norms[None, :]
-    return square
 
 
 @dataclass(frozen=True)
