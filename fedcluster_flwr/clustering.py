@@ -31,14 +31,12 @@ from sklearn.random_projection import SparseRandomProjection
 
 DISTANCES = ("l1", "l2", "cosine")
 LINKAGES = ("single", "complete", "average", "ward")
-# Columns per block of the pairwise distances (benchmarks/clustering): one pdist call's l1 block
-# (all rows) stays in a core's L2 cache while pdist walks its pairs (262 columns at 1,000 rows),
-# and the float32 sums of L1_BLOCKS_PER_SUM such blocks make one float64 addition (adding N²/2
-# float32 values to float64 costs about a tenth of a block's pdist); a Gram block is wide
-# enough for BLAS to run near its peak.
+# Columns per block of the pairwise distances: an l1 block (all rows) stays in a core's L2 cache
+# while pdist walks its pairs (262 columns at 1,000 rows: fewer float64 additions of the N²/2
+# sums than at 131, measured faster; benchmarks/clustering); a Gram block is wide enough for
+# BLAS to run near its peak.
 L1_BLOCK_BYTES = 2**20
 MIN_L1_BLOCK_COLUMNS = 64
-L1_BLOCKS_PER_SUM = 8
 GRAM_BLOCK_COLUMNS = 32_768
 
 
@@ -70,8 +68,7 @@ def pairwise_distances(vectors: np.ndarray, distance: str, block_columns: int | 
 
     Sums over blocks of columns (all rows, ``block_columns`` wide; by default a width suited to
     each metric): l1 from torch's ``pdist`` of each block, l2 and cosine from each block's Gram
-    matrix; float32 input is computed in float32 within a block (l1: within
-    ``L1_BLOCKS_PER_SUM`` blocks) and summed over blocks in float64.
+    matrix; float32 input is computed in float32 within a block and summed over blocks in float64.
     """
     if distance not in DISTANCES:
         raise ValueError(f"unknown distance {distance!r}; expected one of {DISTANCES}")
@@ -82,8 +79,9 @@ def pairwise_distances(vectors: np.ndarray, distance: str, block_columns: int | 
     count = len(rows)
     if distance == "l1":
         width = block_columns or max(MIN_L1_BLOCK_COLUMNS, L1_BLOCK_BYTES // (rows.element_size() * max(count, 1)))
+        # pdist needs a contiguous block: a copy of width columns, not of the matrix
         return _sum_over_column_blocks(
-            rows, functools.partial(_l1_sum, width=width), width * L1_BLOCKS_PER_SUM, (count * (count - 1) // 2,)
+            rows, lambda block: torch.nn.functional.pdist(block.contiguous(), p=1), width, (count * (count - 1) // 2,)
         ).numpy()
     width = block_columns or GRAM_BLOCK_COLUMNS
     gram = _sum_over_column_blocks(rows, lambda block: block @ block.T, width, (count, count))
@@ -128,15 +126,6 @@ def _sum_over_column_blocks(
 
     with torch_threads(1), ThreadPoolExecutor(workers) as pool:
         return functools.reduce(torch.add, pool.map(worker_sum, range(workers)))
-
-
-def _l1_sum(blocks: torch.Tensor, width: int) -> torch.Tensor:
-    """Condensed l1 distances of ``blocks`` (N x columns): torch's pdist of each ``width`` columns, summed."""
-    # pdist needs a contiguous block: a copy of width columns, not of the matrix
-    total = torch.nn.functional.pdist(blocks[:, :width].contiguous(), p=1)
-    for start in range(width, blocks.shape[1], width):
-        total += torch.nn.functional.pdist(blocks[:, start : start + width].contiguous(), p=1)
-    return total
 
 
 def _distances_from_gram(gram: np.ndarray, distance: str) -> np.ndarray:
