@@ -105,10 +105,12 @@ def simulate(job: Job, on_round: Any) -> None:
     from flwr.clientapp import ClientApp
     from flwr.simulation import run_simulation
 
+    from . import flower_patches
     from .client_app import make_client_fn
     from .experiment import configure_torch
     from .server_app import make_server_app
 
+    flower_patches.install()  # Flower's engine with less of its own work between the clients' (see there)
     config = job.config
     configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     backend_config = {
