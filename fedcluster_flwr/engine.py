@@ -102,11 +102,10 @@ def _end_group_when_orphaned(fd: int) -> None:
 
 def simulate(job: Job, on_round: Any) -> None:
     """Run ``job`` on Flower's Ray simulation engine in this process."""
-    from flwr.clientapp import ClientApp
     from flwr.simulation import run_simulation
 
     from . import flower_patches
-    from .client_app import make_client_fn
+    from .client_app import ExperimentClientApp
     from .experiment import configure_torch
     from .server_app import make_server_app
 
@@ -125,7 +124,7 @@ def simulate(job: Job, on_round: Any) -> None:
             server_app=make_server_app(
                 config, job.run_dir, on_round, resume=job.resume_from > 0, stop_after=job.stop_after
             ),
-            client_app=ClientApp(client_fn=make_client_fn(config)),
+            client_app=ExperimentClientApp(config),
             num_supernodes=config.partition.num_clients,
             backend_config=backend_config,
             verbose_logging=job.verbose,
