@@ -103,13 +103,14 @@ def _end_group_when_orphaned(fd: int) -> None:
 
 def simulate(job: Job, on_round: Any) -> None:
     """Run ``job`` on Flower's Ray simulation engine in this process."""
-    from flwr.clientapp import ClientApp
     from flwr.simulation import run_simulation
 
-    from .client_app import make_client_fn
+    from . import flower_patches
+    from .client_app import ExperimentClientApp
     from .experiment import configure_torch
     from .server_app import make_server_app
 
+    flower_patches.install()  # Flower's engine with less of its own work between the clients' (see there)
     config = job.config
     configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     with _quiet(job.verbose):
@@ -117,7 +118,7 @@ def simulate(job: Job, on_round: Any) -> None:
             server_app=make_server_app(
                 config, job.run_dir, on_round, resume=job.resume_from > 0, stop_after=job.stop_after
             ),
-            client_app=ClientApp(client_fn=make_client_fn(config)),
+            client_app=ExperimentClientApp(config),
             num_supernodes=config.partition.num_clients,
             backend_config=backend_config(config, job.verbose),
             verbose_logging=job.verbose,

@@ -22,6 +22,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from .config import ExperimentConfig
 from .experiment import make_client, server_components
+from .results import RoundRow
 from .strategies import StrategySetup
 
 
@@ -68,14 +69,18 @@ def run_in_process(
     *,
     resume: bool = False,
     stop_after: int | None = None,
+    on_round: Callable[[RoundRow], None] | None = None,
 ) -> Any:
     """Run ``config`` to the end (or to ``stop_after``, checkpointed; ``resume``: from the
     checkpoint in ``run_dir``); return the strategy (its models, assignment, log).
 
     ``make_strategy`` builds another strategy from the experiment's setup (a strategy that
-    is not in the registry, e.g. a test's own).
+    is not in the registry, e.g. a test's own); ``on_round`` is called with each round's row as
+    it is recorded (as ``fedcluster run``'s progress is).
     """
-    components = server_components(config, run_dir, resume=resume, stop_after=stop_after, make_strategy=make_strategy)
+    components = server_components(
+        config, run_dir, on_round, resume=resume, stop_after=stop_after, make_strategy=make_strategy
+    )
     strategy = components.strategy
     manager = SimpleClientManager()
     for pid in range(config.partition.num_clients):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 from flwr.common import Context, RecordDict
+from ray import cloudpickle
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.client_app import make_client_fn
+from fedcluster_flwr.client_app import ExperimentClientApp, make_client_fn
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.server_app import FLWR_RUN_OUTPUT_ROOT, RunConfigError, flwr_run_dir, server_fn
 
@@ -45,6 +46,15 @@ def test_server_fn_builds_the_strategy_from_the_run_config(tmp_path):
 def test_client_fn_builds_the_client_of_its_partition():
     client = make_client_fn()(context(node_config={"partition-id": 3, "num-partitions": 20}))
     assert client.numpy_client.get_properties({})["partition_id"] == 3
+
+
+def test_the_client_app_of_fedcluster_run_travels_to_ray_actors_as_its_config():
+    config, _ = load_config(DEFAULT_CONFIG, [("client.epochs", 2)])
+    pickled = cloudpickle.dumps(ExperimentClientApp(config))
+    assert b"make_client_fn.<locals>" not in pickled  # the config, not closures pickled by value
+    app = cloudpickle.loads(pickled)
+    assert isinstance(app, ExperimentClientApp) and app.config == config
+    assert app._call is not None  # a working ClientApp (Flower calls _call with each message)
 
 
 def test_client_fn_explains_a_missing_node_config():
