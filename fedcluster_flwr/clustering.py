@@ -32,9 +32,8 @@ from sklearn.random_projection import SparseRandomProjection
 DISTANCES = ("l1", "l2", "cosine")
 LINKAGES = ("single", "complete", "average", "ward")
 # Columns per block of the pairwise distances: an l1 block (all rows) stays in a core's L2 cache
-# while pdist walks its pairs (262 columns at 1,000 rows: fewer float64 additions of the N²/2
-# sums than at 131, measured faster; benchmarks/clustering); a Gram block is wide enough for
-# BLAS to run near its peak.
+# while the kernel walks its pairs (262 columns at 1,000 rows; benchmarks/clustering); a Gram
+# block is wide enough for BLAS to run near its peak.
 L1_BLOCK_BYTES = 2**20
 MIN_L1_BLOCK_COLUMNS = 64
 GRAM_BLOCK_COLUMNS = 32_768
@@ -67,8 +66,9 @@ def pairwise_distances(vectors: np.ndarray, distance: str, block_columns: int | 
     """Condensed pairwise distance vector (as scipy's ``pdist``), float64, without copying ``vectors``.
 
     Sums over blocks of columns (all rows, ``block_columns`` wide; by default a width suited to
-    each metric): l1 from torch's ``pdist`` of each block, l2 and cosine from each block's Gram
-    matrix; float32 input is computed in float32 within a block and summed over blocks in float64.
+    each metric): l1 from a compiled kernel over each block (:mod:`fedcluster_flwr.l1_kernel`), l2
+    and cosine from each block's Gram matrix; float32 input is computed in float32 within a block
+    and summed over blocks in float64.
     """
     if distance not in DISTANCES:
         raise ValueError(f"unknown distance {distance!r}; expected one of {DISTANCES}")
@@ -78,13 +78,16 @@ def pairwise_distances(vectors: np.ndarray, distance: str, block_columns: int | 
     rows = torch.from_numpy(vectors)  # shares the memory
     count = len(rows)
     if distance == "l1":
+        # imported here: every client process imports this module, and only the server's l1 step needs numba
+        from fedcluster_flwr.l1_kernel import add_l1_distances
+
         width = block_columns or max(MIN_L1_BLOCK_COLUMNS, L1_BLOCK_BYTES // (rows.element_size() * max(count, 1)))
-        # pdist needs a contiguous block: a copy of width columns, not of the matrix
-        return _sum_over_column_blocks(
-            rows, lambda block: torch.nn.functional.pdist(block.contiguous(), p=1), width, (count * (count - 1) // 2,)
-        ).numpy()
+        square = _sum_over_column_blocks(
+            rows, lambda block, total: add_l1_distances(block.T.contiguous().numpy(), total.numpy()), width, (count, count)
+        )
+        return square.numpy()[np.triu_indices(count, 1)]  # scipy's condensed order: i < j, row by row
     width = block_columns or GRAM_BLOCK_COLUMNS
-    gram = _sum_over_column_blocks(rows, lambda block: block @ block.T, width, (count, count))
+    gram = _sum_over_column_blocks(rows, lambda block, total: total.add_(block @ block.T), width, (count, count))
     return _distances_from_gram(gram.numpy(), distance)
 
 
@@ -105,9 +108,9 @@ def torch_threads(count: int) -> Iterator[None]:
 
 
 def _sum_over_column_blocks(
-    rows: torch.Tensor, block_sum: Callable[[torch.Tensor], torch.Tensor], width: int, shape: tuple[int, ...]
+    rows: torch.Tensor, add_block: Callable[[torch.Tensor, torch.Tensor], Any], width: int, shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """Sum of ``block_sum(rows[:, block])`` over consecutive blocks of ``width`` columns, in float64.
+    """The float64 sum that ``add_block(rows[:, block], total)`` adds to over consecutive blocks of ``width`` columns.
 
     One worker thread per available core, each summing every k-th block with a single-threaded
     torch (the kernels release the GIL): the simulation leaves torch at one thread, and measured
@@ -121,7 +124,7 @@ def _sum_over_column_blocks(
     def worker_sum(first: int) -> torch.Tensor:
         total = torch.zeros(shape, dtype=torch.float64)
         for start in starts[first::workers]:
-            total += block_sum(rows[:, start : start + width])
+            add_block(rows[:, start : start + width], total)
         return total
 
     with torch_threads(1), ThreadPoolExecutor(workers) as pool:

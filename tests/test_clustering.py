@@ -14,6 +14,7 @@ from scipy.cluster import hierarchy
 from scipy.spatial.distance import pdist, squareform
 
 from fedcluster_flwr import clustering
+from fedcluster_flwr.l1_kernel import add_l1_distances
 from fedcluster_flwr.clustering import (
     DISTANCES,
     LINKAGES,
@@ -66,6 +67,19 @@ def assert_matches_pdist(vectors: np.ndarray, distance: str, got: np.ndarray, rt
 def test_pairwise_distances_match_scipy_pdist(distance, count, dim, zero_rows):
     vectors = random_rows(count, dim, zero_rows=zero_rows)
     assert_matches_pdist(vectors, distance, pairwise_distances(vectors, distance), FLOAT32_RTOL[distance])
+
+
+@pytest.mark.parametrize("count", range(1, 11))
+@pytest.mark.parametrize("dim", [1, 3, 4, 9])
+def test_l1_kernel_covers_every_pair_whatever_the_row_and_column_tails(count, dim):
+    """The l1 kernel takes rows four at a time and columns four at a time: every remainder of
+    each, down to one row (no pairs) and one column, gives scipy's distances, and the kernel
+    writes nothing on or below the diagonal."""
+    vectors = random_rows(count, dim, seed=count * 10 + dim)
+    assert_matches_pdist(vectors, "l1", pairwise_distances(vectors, "l1"), FLOAT32_RTOL["l1"])
+    total = np.zeros((count, count))
+    add_l1_distances(np.ascontiguousarray(vectors.T), total)
+    assert not np.tril(total).any()
 
 
 @pytest.mark.parametrize("distance", DISTANCES)

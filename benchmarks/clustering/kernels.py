@@ -7,8 +7,10 @@ Every candidate computes the same distances of a random float32 matrix; the cand
 interleaved (a b c ..., a b c ..., as often as --repeat), each reporting wall and CPU seconds
 and throughput: l1 in pairs x columns per second, the Gram products in flop/s. ``ours`` is
 ``fedcluster_flwr.clustering.pairwise_distances``: one worker thread per core, each with a
-single-threaded torch, summing its share of the column blocks; ``torch threads`` runs the
-same blocks one after another with torch's own thread pool (all cores) instead.
+single-threaded torch, summing its share of the column blocks (for l1 with the compiled kernel
+of ``fedcluster_flwr.l1_kernel``); ``workers`` runs another kernel on the same workers;
+``torch threads`` runs the same blocks one after another with torch's own thread pool (all
+cores) instead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from scipy.spatial.distance import cdist
 
+from fedcluster_flwr import clustering
 from fedcluster_flwr.clustering import GRAM_BLOCK_COLUMNS, available_cores, pairwise_distances, torch_threads
 
 
@@ -54,13 +57,22 @@ def l1_pdist_block(block: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pdist(block.contiguous(), p=1)
 
 
+def l1_pdist_workers(x: np.ndarray, width: int) -> None:
+    """torch's pdist on the workers of ``pairwise_distances`` (its l1 kernel until the compiled one)."""
+    pairs = len(x) * (len(x) - 1) // 2
+    clustering._sum_over_column_blocks(
+        torch.from_numpy(x), lambda block, total: total.add_(l1_pdist_block(block)), width, (pairs,))
+
+
 CANDIDATES = {
     "l1": {
         "scipy cdist, row blocks (before)": l1_scipy_cdist,
         "torch.cdist p=1, row blocks, torch threads": l1_torch_cdist,
         **{f"torch pdist, {w}-column blocks, torch threads": (lambda x, w=w: column_blocks_with_torch_threads(x, l1_pdist_block, w))
            for w in (128, 1024)},
-        **{f"torch pdist, {w}-column blocks, ours (workers)": (lambda x, w=w: pairwise_distances(x, "l1", block_columns=w))
+        **{f"torch pdist, {w}-column blocks, workers (before)": (lambda x, w=w: l1_pdist_workers(x, w))
+           for w in (128, 256)},
+        **{f"compiled kernel, {w}-column blocks, ours (workers)": (lambda x, w=w: pairwise_distances(x, "l1", block_columns=w))
            for w in (64, 128, 256, 1024)},
     },
     "l2": {
@@ -87,6 +99,7 @@ def main() -> None:
     n = args.clients
     matrices = {"l1": rng.standard_normal((n, args.l1_dim), dtype=np.float32),
                 "l2": rng.standard_normal((n, args.gram_dim), dtype=np.float32)}
+    pairwise_distances(matrices["l1"][:5, :9], "l1")  # the l1 kernel's compilation (or its cache) is not timed
     work = {"l1": n * (n - 1) / 2 * args.l1_dim, "l2": 2.0 * n * n * args.gram_dim}
     unit = {"l1": "G pair-columns", "l2": "GFLOP"}
     lines = [f"N = {n}, l1: d = {args.l1_dim}, Gram: d = {args.gram_dim}; {available_cores()} cores; "
