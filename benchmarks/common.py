@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from fedcluster_flwr.config import ExperimentConfig
 from fedcluster_flwr.inprocess import run_in_process
@@ -34,7 +33,6 @@ def run_or_reuse(config: ExperimentConfig, run_dir: Path, engine: str = "ray") -
         return summary
     started = time.perf_counter()
     if engine == "inprocess":
-        torch.set_num_threads(1)
         run_in_process(config, run_dir)
         summary = finished_summary(run_dir)
     else:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ from scipy.spatial.distance import squareform
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
 from sklearn.random_projection import SparseRandomProjection
+
+from .numerics import torch_threads
 
 DISTANCES = ("l1", "l2", "cosine")
 LINKAGES = ("single", "complete", "average", "ward")
@@ -94,17 +95,6 @@ def pairwise_distances(vectors: np.ndarray, distance: str, block_columns: int | 
 def available_cores() -> int:
     """CPU cores this process may run on (its affinity, where the platform reports one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """torch's intra-op thread count set to ``count`` inside, restored after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _sum_over_column_blocks(

@@ -22,6 +22,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from .config import ExperimentConfig
 from .experiment import make_client, server_components
+from .numerics import torch_threads
 from .results import RoundRow
 from .strategies import StrategySetup
 
@@ -72,23 +73,25 @@ def run_in_process(
     on_round: Callable[[RoundRow], None] | None = None,
 ) -> Any:
     """Run ``config`` to the end (or to ``stop_after``, checkpointed; ``resume``: from the
-    checkpoint in ``run_dir``); return the strategy (its models, assignment, log).
+    checkpoint in ``run_dir``); return the strategy (its models, assignment, log). torch runs
+    one thread inside, as in each of the Ray engine's clients (the caller's count is restored).
 
     ``make_strategy`` builds another strategy from the experiment's setup (a strategy that
     is not in the registry, e.g. a test's own); ``on_round`` is called with each round's row as
     it is recorded (as ``fedcluster run``'s progress is).
     """
-    components = server_components(
-        config, run_dir, on_round, resume=resume, stop_after=stop_after, make_strategy=make_strategy
-    )
-    strategy = components.strategy
-    manager = SimpleClientManager()
-    for pid in range(config.partition.num_clients):
-        manager.register(InProcessProxy(config, pid))
-    for server_round in range(1, components.config.num_rounds + 1):
-        results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit")
-        strategy.aggregate_fit(server_round, results, failures)
-        instructions = strategy.configure_evaluate(server_round, None, manager)
-        if instructions:  # as Flower's server: no evaluation round without instructions
-            strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate"))
+    with torch_threads(1):
+        components = server_components(
+            config, run_dir, on_round, resume=resume, stop_after=stop_after, make_strategy=make_strategy
+        )
+        strategy = components.strategy
+        manager = SimpleClientManager()
+        for pid in range(config.partition.num_clients):
+            manager.register(InProcessProxy(config, pid))
+        for server_round in range(1, components.config.num_rounds + 1):
+            results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit")
+            strategy.aggregate_fit(server_round, results, failures)
+            instructions = strategy.configure_evaluate(server_round, None, manager)
+            if instructions:  # as Flower's server: no evaluation round without instructions
+                strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate"))
     return strategy

@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,6 +31,17 @@ NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ON
 # AVX2 AMD EPYC-Rome (qemu) give bit-identical trajectories with these, not with MKL_CBWR=AVX2.
 PORTABLE_NUMERICS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 CAPABILITIES_WITHIN_AVX2 = ("AVX2", "DEFAULT", "NO AVX")  # what torch reports once capped (or on older CPUs)
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def pin_portable_numerics() -> None:

@@ -26,7 +26,8 @@ from helpers import rows_without_timing
 from fedcluster_flwr import runner
 from fedcluster_flwr.client_app import make_client_fn
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.inprocess import InProcessProxy, run_in_process
+from fedcluster_flwr.numerics import torch_threads
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.server_app import RunConfigError, server_fn
 
@@ -130,13 +131,19 @@ def uninterrupted(tmp_path_factory):
     torch thread, as each Ray client has, makes it bit-identical to the Ray engine's)."""
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in OVERRIDES])
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_in_process(config, out)
-    finally:
-        torch.set_num_threads(threads)
+    run_in_process(config, out)
     return read_run(out)
+
+
+def test_the_in_process_driver_trains_on_one_torch_thread_and_restores_the_callers(tmp_path, monkeypatch):
+    seen = []
+    fit = InProcessProxy.fit
+    monkeypatch.setattr(InProcessProxy, "fit", lambda self, *a: seen.append(torch.get_num_threads()) or fit(self, *a))
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=1", "strategy.name=fedavg")])
+    with torch_threads(2):
+        run_in_process(config, tmp_path / "run")
+        assert torch.get_num_threads() == 2
+    assert seen and set(seen) == {1}
 
 
 def read_run(run_dir: Path) -> tuple[list[dict], dict]:

@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import TaskInput
@@ -36,7 +35,7 @@ from fedcluster_flwr.tasks.oneshot import (
     SHARE_EIGENVALUES_KEY,
     top_gram_eigenpairs,
 )
-from helpers import Received, client_manager, constant_model, drive_round, make_setup
+from helpers import Received, client_manager, drive_round, make_setup
 
 E = np.eye(4)
 
@@ -231,7 +230,6 @@ def test_pacfl_recovers_label_groups_of_real_digits_clients(label_group_config, 
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (
         "partition.name=label_groups", "partition.groups=[[0,1,2,3,4],[5,6,7,8,9]]", "partition.samples_per_client=70",
         "strategy.name=pacfl", "strategy.client_fraction=1.0", "rounds=3", *overrides, cut)])
-    torch.set_num_threads(1)
     strategy = run_in_process(config, tmp_path / "run")
     rows = strategy.setup.recorder.rows
     assert [r["phase"] for r in rows] == ["gram_eigen", "fedavg", "fedavg"]

@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -88,13 +87,8 @@ def trajectory(case: str) -> dict:
     strategy_name = CASE_STRATEGY.get(case, case)
     overrides = [parse_override(o) for o in (*SETTINGS, PORTABLE, f"strategy.name={strategy_name}", *STRATEGY_OVERRIDES[case])]
     config, _ = load_config(DEFAULT_CONFIG, overrides)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            strategy = run_in_process(config, Path(folder) / "run")
-    finally:
-        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as folder:
+        strategy = run_in_process(config, Path(folder) / "run")
     rows = strategy.setup.recorder.rows
     return {
         "rounds": [{key: row[key] for key in KEYS} for row in rows],

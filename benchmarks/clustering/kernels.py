@@ -25,7 +25,8 @@ import torch
 from scipy.spatial.distance import cdist
 
 from fedcluster_flwr import clustering
-from fedcluster_flwr.clustering import GRAM_BLOCK_COLUMNS, available_cores, pairwise_distances, torch_threads
+from fedcluster_flwr.clustering import GRAM_BLOCK_COLUMNS, available_cores, pairwise_distances
+from fedcluster_flwr.numerics import torch_threads
 
 
 def l1_scipy_cdist(x: np.ndarray) -> None:

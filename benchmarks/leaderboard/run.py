@@ -41,7 +41,6 @@ bit for bit, without its per-round cost); ``--verify`` checks that claim on one 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -202,10 +202,7 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def inprocess_worker(args: argparse.Namespace) -> dict[str, Any]:
-    """d: the in-process driver, one torch thread (as the benchmarks and tests run it)."""
-    import torch
-
-    torch.set_num_threads(1)
+    """d: the in-process driver (one torch thread, as it runs)."""
     from fedcluster_flwr.inprocess import run_in_process
 
     config = bench_config(args.set, args.rounds)
