@@ -83,10 +83,10 @@ def pairwise_distances(vectors: np.ndarray, distance: str, block_columns: int | 
         from fedcluster_flwr.l1_kernel import add_l1_distances
 
         width = block_columns or max(MIN_L1_BLOCK_COLUMNS, L1_BLOCK_BYTES // (rows.element_size() * max(count, 1)))
-        square = _sum_over_column_blocks(
-            rows, lambda block, total: add_l1_distances(block.T.contiguous().numpy(), total.numpy()), width, (count, count)
-        )
-        return square.numpy()[np.triu_indices(count, 1)]  # scipy's condensed order: i < j, row by row
+        return _sum_over_column_blocks(
+            rows, lambda block, total: add_l1_distances(block.T.contiguous().numpy(), total.numpy()), width,
+            (count * (count - 1) // 2,),
+        ).numpy()
     width = block_columns or GRAM_BLOCK_COLUMNS
     gram = _sum_over_column_blocks(rows, lambda block, total: total.add_(block @ block.T), width, (count, count))
     return _distances_from_gram(gram.numpy(), distance)

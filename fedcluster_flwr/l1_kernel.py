@@ -13,20 +13,23 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-ROWS_PER_PASS = 4  # rows i whose sums share each load of row j's values
 
-
-@njit(nogil=True, boundscheck=False, cache=True)
-def add_l1_distances(columns: np.ndarray, total: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``total[i, j] += sum_c |columns[c, i] - columns[c, j]|`` for every i < j.
+def add_l1_distances(columns: np.ndarray, total: np.ndarray) -> None:  # pragma: no cover - compiled below
+    """``total[pair(i, j)] += sum_c |columns[c, i] - columns[c, j]|`` for every i < j.
 
     ``columns``: one block of the update matrix, transposed (block width x N, C-contiguous,
-    float32 or float64); the sums over the block run in its dtype, then are added to ``total``
-    (N x N, float64; only its upper triangle is touched). Releases the GIL.
+    float32 or float64); the sums over the block run in its dtype, then are added to ``total``,
+    the float64 condensed vector of the N(N-1)/2 pairs in scipy's order (i < j, row by row:
+    row i's pairs start at i(2N - i - 1)/2). Releases the GIL.
+
+    Rows go four at a time (the body is written out for exactly four: the sums of rows i..i+3
+    share each load of row j's values), columns four at a time (a quarter of the loads and
+    stores of the sums); without fastmath the order of every addition is as written, so the
+    result does not depend on the vector width the CPU offers.
     """
     width, n = columns.shape
-    sums = np.empty((ROWS_PER_PASS, n), dtype=columns.dtype)
-    for i in range(0, n - 1, ROWS_PER_PASS):
+    sums = np.empty((4, n), dtype=columns.dtype)
+    for i in range(0, n - 1, 4):
         m = n - 1 - i  # the columns j = i+1 .. n-1, as 0 .. m-1 (zero-based loops vectorise)
         # rows past the last are clamped to it; their sums are discarded below
         k1, k2, k3 = min(i + 1, n - 1), min(i + 2, n - 1), min(i + 3, n - 1)
@@ -36,7 +39,7 @@ def add_l1_distances(columns: np.ndarray, total: np.ndarray) -> None:  # pragma:
         s2[:] = 0
         s3[:] = 0
         c = 0
-        while c + 4 <= width:  # four columns per pass: a quarter of the loads and stores of sums
+        while c + 4 <= width:
             ra, rb, rc, rd = columns[c, i + 1 :], columns[c + 1, i + 1 :], columns[c + 2, i + 1 :], columns[c + 3, i + 1 :]
             a0, b0, c0, d0 = columns[c, i], columns[c + 1, i], columns[c + 2, i], columns[c + 3, i]
             a1, b1, c1, d1 = columns[c, k1], columns[c + 1, k1], columns[c + 2, k1], columns[c + 3, k1]
@@ -59,7 +62,15 @@ def add_l1_distances(columns: np.ndarray, total: np.ndarray) -> None:  # pragma:
                 s2[j] += abs(va - a2)
                 s3[j] += abs(va - a3)
             c += 1
-        for k in range(min(ROWS_PER_PASS, m)):  # row i+k's pairs start at column i+k+1, entry k
-            row_total, row_sums = total[i + k, i + 1 :], sums[k, :m]
+        for k in range(min(4, m)):  # row r = i+k: its pairs (r, r+1 ..) are entries k.. of its sums
+            r = i + k
+            row_total = total[r * (2 * n - r - 1) // 2 :]
+            row_sums = sums[k]
             for j in range(k, m):
-                row_total[j] += row_sums[j]
+                row_total[j - k] += row_sums[j]
+
+
+try:  # compiled once per dtype and cached on disk (the package's __pycache__, else the user's cache)
+    add_l1_distances = njit(nogil=True, boundscheck=False, cache=True)(add_l1_distances)
+except RuntimeError:  # numba finds no writable cache directory: compile in every process instead
+    add_l1_distances = njit(nogil=True, boundscheck=False)(add_l1_distances)

@@ -251,11 +251,10 @@ def test_tls_authenticated_deployment_trains_registered_nodes_refuses_others_and
 
 
 SIMULATE = """
-import json, sys, torch
+import sys
 from pathlib import Path
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.inprocess import run_in_process
-torch.set_num_threads(1)  # as client_fn does in every ClientApp process
 overrides = [parse_override(item) for item in sys.argv[2].split()]
 config, _ = load_config(sys.argv[1], overrides)
 run_in_process(config, Path(sys.argv[3]))
