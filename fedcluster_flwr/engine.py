@@ -112,7 +112,8 @@ def simulate(job: Job, on_round: Any) -> None:
 
     flower_patches.install()  # Flower's engine with less of its own work between the clients' (see there)
     config = job.config
-    configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
+    # before this process's first torch operation; Ray workers inherit the pins
+    configure_torch(config, clients_here=config.simulation.ray_address is None)
     with _quiet(job.verbose):
         run_simulation(
             server_app=make_server_app(

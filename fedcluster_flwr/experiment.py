@@ -102,7 +102,7 @@ def use_configured_numerics(config: ExperimentConfig) -> None:
             raise ConfigError("simulation.portable_numerics", str(err)) from None
 
 
-def configure_torch(config: ExperimentConfig) -> None:
+def configure_torch(config: ExperimentConfig, clients_here: bool = True) -> None:
     """Set up this process's torch as ``config`` asks, or refuse what this machine cannot honour:
     ``simulation.portable_numerics``, ``client.device`` and ``simulation.deterministic``.
 
@@ -110,10 +110,11 @@ def configure_torch(config: ExperimentConfig) -> None:
     (under ``flwr run`` the first to read the config), and ``fedcluster run`` in its driver before
     Ray starts, so that a mistake is one error line before any worker and the workers inherit the
     environment pins (the driver's own torch work then follows the clients' rules, as it does when
-    the in-process driver builds the clients).
+    the in-process driver builds the clients). ``clients_here`` False: the clients run on other
+    machines (a Ray cluster's), whose GPUs this one cannot see; each client checks its own.
     """
     use_configured_numerics(config)  # first: the pins must precede this process's first torch operation
-    if config.client.device == "cuda" and not torch.cuda.is_available():
+    if config.client.device == "cuda" and clients_here and not torch.cuda.is_available():
         raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
     if config.simulation.deterministic:
         try:

@@ -234,7 +234,8 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
 
     if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
         raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
-    configure_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
+    # before this process's first torch operation; Ray workers inherit the pins
+    configure_torch(config, clients_here=config.simulation.ray_address is None)
     experiment_data(config)
     check_ray_address(config)
 

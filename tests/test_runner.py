@@ -145,3 +145,14 @@ def test_the_driver_and_every_client_refuse_a_torch_setting_alike(tmp_path, monk
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"^client\.device: is 'cuda' but this machine has no CUDA GPU"):
             start(config("client.device=cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_a_driver_joining_a_ray_cluster_leaves_the_gpu_check_to_the_clients(tmp_path, monkeypatch):
+    """The cluster's workers may have GPUs this driver lacks: the driver lets ``cuda`` through,
+    and a client on a machine without one refuses it with the same one-line error."""
+    monkeypatch.setattr(runner, "check_ray_address", lambda config: None)  # no cluster needed here
+    cluster = config("client.device=cuda", "simulation.ray_address=127.0.0.1:6379")
+    runner.preflight(cluster, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"^client\.device: is 'cuda' but this machine has no CUDA GPU"):
+        make_client(cluster, 0, cluster.partition.num_clients)
