@@ -12,14 +12,22 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.inprocess import run_in_process
 from fedcluster_flwr.numerics import is_portable
 from fedcluster_flwr.results import read_rounds
 
 pytestmark = pytest.mark.slow
 
 
-def run(tmp_path, name, *overrides):
+def run(tmp_path, name, *overrides, engine="ray"):
+    """(summary, run folder) of the default config with ``overrides`` (20 rounds unless given),
+    through Flower's Ray engine or, for a reference run the test compares the engine against,
+    the in-process driver: the same rounds bit for bit
+    (test_the_in_process_driver_reproduces_the_ray_engine_bit_for_bit), without Ray's ~25 s start."""
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=20", *overrides)])
+    if engine == "inprocess":
+        run_in_process(config, tmp_path / name)
+        return json.loads((tmp_path / name / "summary.json").read_text()), tmp_path / name
     return run_experiment(config, tmp_path / name), tmp_path / name
 
 
@@ -32,7 +40,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def label_swap_runs(tmp_path_factory):
     """FedAvg (in-process) and FL+HC (through `fedcluster run`) on the default label-swap config."""
     tmp_path = tmp_path_factory.mktemp("label_swap")
-    runs = {"fedavg": run(tmp_path, "fedavg", "strategy.name=fedavg")}
+    runs = {"fedavg": run(tmp_path, "fedavg", "strategy.name=fedavg", engine="inprocess")}
     result = cli("run", str(DEFAULT_CONFIG), "--set", "rounds=20", "--out", str(tmp_path / "flhc"), "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     runs["flhc"] = (json.loads((tmp_path / "flhc" / "summary.json").read_text()), tmp_path / "flhc", result.stdout)
@@ -101,7 +109,7 @@ def test_a_failing_client_and_a_late_joiner_are_placed_by_training_loss(tmp_path
 def test_resume_continues_a_run_exactly(tmp_path):
     """4 rounds, then `fedcluster resume --rounds 6`, equals 6 uninterrupted rounds."""
     settings = ("rounds=6", "strategy.rounds_before_clustering=2", "checkpoint_every=2")
-    run(tmp_path, "whole", *settings)
+    run(tmp_path, "whole", *settings, engine="inprocess")
     run(tmp_path, "resumed", *settings, "rounds=4")
     result = subprocess.run(
         [sys.executable, "-m", "fedcluster_flwr.cli", "resume", str(tmp_path / "resumed"), "--rounds", "6", "--no-progress"],
@@ -125,7 +133,7 @@ def test_branches_of_a_stopped_run_share_its_rounds(tmp_path):
     from the same rounds 1-2."""
     settings = [parse_override(o) for o in ("rounds=5", "strategy.rounds_before_clustering=2")]
     config, _ = load_config(DEFAULT_CONFIG, settings)
-    run_experiment(config, tmp_path / "whole")
+    run_in_process(config, tmp_path / "whole")  # the reference (bit for bit the Ray engine's)
     stopped = run_experiment(config, tmp_path / "base", stop_after=2)
     assert not stopped["finished"] and stopped["completed_rounds"] == 2
     continue_run(plan_continuation(tmp_path / "base", out=tmp_path / "same"))
@@ -186,7 +194,8 @@ def rotation_gossip_runs(tmp_path_factory):
         "partition.val_fraction=0.1", "strategy.client_fraction=1.0", "strategy.num_neighbours=3",
         "strategy.same_init=true", "client.optimizer=adam", "client.lr=0.003",
     )
-    return {name: run(tmp_path, name, *settings, f"strategy.name={name}") for name in ("dac", "random_gossip")}
+    return {"dac": run(tmp_path, "dac", *settings, "strategy.name=dac"),  # through Ray; the baseline in-process
+            "random_gossip": run(tmp_path, "random_gossip", *settings, "strategy.name=random_gossip", engine="inprocess")}
 
 
 def test_dac_beats_random_gossip_on_the_minority_cluster_through_ray(rotation_gossip_runs):
@@ -207,7 +216,6 @@ def test_dac_beats_random_gossip_on_the_minority_cluster_through_ray(rotation_go
 def test_the_in_process_driver_reproduces_the_ray_engine_bit_for_bit(tmp_path):
     """fedcluster_flwr/inprocess.py (used by the behaviour-preservation test) is a faithful stand-in for
     Flower's Ray engine: FL+HC with failures and a late joiner gives the same rounds in both."""
-    from fedcluster_flwr.inprocess import run_in_process
     from trajectories import KEYS, SETTINGS
 
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*SETTINGS, "strategy.name=flhc")])
