@@ -107,13 +107,12 @@ def simulate(job: Job, on_round: Any) -> None:
 
     from . import flower_patches
     from .client_app import ExperimentClientApp
-    from .experiment import configure_torch
+    from .experiment import configure_driver_torch
     from .server_app import make_server_app
 
     flower_patches.install()  # Flower's engine with less of its own work between the clients' (see there)
     config = job.config
-    # before this process's first torch operation; Ray workers inherit the pins
-    configure_torch(config, clients_here=config.simulation.ray_address is None)
+    configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     with _quiet(job.verbose):
         run_simulation(
             server_app=make_server_app(

@@ -123,6 +123,13 @@ def configure_torch(config: ExperimentConfig, clients_here: bool = True) -> None
             raise ConfigError("simulation.deterministic", str(err)) from None
 
 
+def configure_driver_torch(config: ExperimentConfig) -> None:
+    """:func:`configure_torch` in ``fedcluster run``'s own processes (before Ray starts, and in the
+    simulation's process): the clients run on this machine unless ``simulation.ray_address`` joins
+    a cluster, whose machines check their own GPUs."""
+    configure_torch(config, clients_here=config.simulation.ray_address is None)
+
+
 def model_factory(config: ExperimentConfig) -> Callable[[], torch.nn.Module]:
     return functools.partial(build_model, config.model.name, config.input_shape, config.num_classes)
 

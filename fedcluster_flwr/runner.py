@@ -230,12 +230,11 @@ def _restore(handlers: dict[int, Any]) -> None:
 def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
     """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory, a Ray
     cluster that does not answer."""
-    from .experiment import configure_torch, experiment_data
+    from .experiment import configure_driver_torch, experiment_data
 
     if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
         raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
-    # before this process's first torch operation; Ray workers inherit the pins
-    configure_torch(config, clients_here=config.simulation.ray_address is None)
+    configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)
     check_ray_address(config)
 
