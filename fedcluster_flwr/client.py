@@ -28,7 +28,7 @@ from torch import nn
 
 from . import protocol
 from .protocol import ACCURACY, EPOCHS_KEY, EVALUATE, MODEL, MODELS, TRAIN, TRAIN_LOSS, VAL_LOSS, Task
-from .training import TrainSettings, evaluate, get_weights, set_weights, train
+from .training import LocalCompute, TrainSettings, get_weights, set_weights
 
 
 class SimulatedClientFailure(RuntimeError):
@@ -120,6 +120,7 @@ class ClusterClient(NumPyClient):
         device: torch.device,
         fail_rounds: tuple[int, ...] = (),
         faults: Faults = Faults(),
+        compute: LocalCompute = LocalCompute(),
     ) -> None:
         self.pid = pid
         self.num_partitions = num_partitions
@@ -130,6 +131,7 @@ class ClusterClient(NumPyClient):
         self.device = device
         self.fail_rounds = fail_rounds
         self.faults = faults
+        self.compute = compute  # how its torch work runs: alone, or with the round's others (batched engine)
 
     def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
         return {protocol.PARTITION_ID: self.pid, protocol.NUM_PARTITIONS: self.num_partitions}
@@ -175,10 +177,14 @@ class ClusterClient(NumPyClient):
         own ``client.epochs``); returns the mean batch loss."""
         generator = torch.Generator().manual_seed(round_seed(self.seed, server_round, self.pid))
         settings = self.settings if epochs is None else replace(self.settings, epochs=epochs)
-        return train(model, self.data.x_train, self.data.y_train, settings, generator, self.device)
+        return self.compute.train(model, self.data.x_train, self.data.y_train, settings, generator, self.device)
+
+    def evaluate_model(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""
+        return self.compute.evaluate(model, x, y, self.device)
 
     def training_loss(self, model: nn.Module) -> float:
-        return evaluate(model, self.data.x_train, self.data.y_train, self.device)[0]
+        return self.evaluate_model(model, self.data.x_train, self.data.y_train)[0]
 
     @property
     def num_train(self) -> int:
@@ -200,10 +206,10 @@ def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOut
     (arrays,) = inputs.blocks[MODELS]
     model = client.load_model(arrays)
     data = client.data
-    loss, accuracy = evaluate(model, data.x_test, data.y_test, client.device)
+    loss, accuracy = client.evaluate_model(model, data.x_test, data.y_test)
     metrics: dict[str, Scalar] = {ACCURACY: accuracy}
     if data.x_val is not None and data.y_val is not None and len(data.y_val):
-        metrics[VAL_LOSS] = evaluate(model, data.x_val, data.y_val, client.device)[0]
+        metrics[VAL_LOSS] = client.evaluate_model(model, data.x_val, data.y_val)[0]
     return TaskOutput({}, len(data.y_test), metrics, loss=loss)
 
 

@@ -33,6 +33,8 @@ from .schema import (
     ConfigError,
     InRegistry,
     HostPort,
+    Is,
+    OnlyWith,
     Interval,
     above,
     at_least,
@@ -105,6 +107,14 @@ class StrategyConfig:
 
 @dataclass(frozen=True)
 class SimulationConfig:
+    # How a round's client tasks execute; the strategy and the results files are the same on all
+    # three (README "Engines"). ray: Flower's virtual client engine, one ClientApp call per client.
+    # inprocess: the same calls one after another in one process, no Ray (bit for bit ray's rounds).
+    # batched: inprocess, with the torch work of a round's clients executed together (stacked).
+    engine: Literal["ray", "inprocess", "batched"] = "ray"
+    # batched: memory the stacked clients may take, in GB; null: half the memory free at the start
+    # (on the GPU for client.device cuda, else in RAM).
+    batched_memory_gb: float | None = option(None, above(0))
     num_cpus_per_client: float = option(1.0, above(0))
     num_gpus_per_client: float = option(0.0, at_least(0))
     # Fault injection for robustness studies: partition id -> rounds in which its fit raises.
@@ -123,6 +133,11 @@ class SimulationConfig:
     # prints it. null: Ray starts on this machine for this run and ends with it (see the README's
     # "A Ray cluster of several machines").
     ray_address: str | None = option(None, HostPort("10.0.0.1:6379"))
+
+    rules = (
+        OnlyWith("ray_address", Is("engine", "ray"), "only simulation.engine ray runs on a Ray cluster"),
+        OnlyWith("batched_memory_gb", Is("engine", "batched")),
+    )
 
     def validate(self, prefix: str) -> None:
         for pid, first in self.join_round.items():

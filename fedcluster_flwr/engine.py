@@ -102,7 +102,17 @@ def _end_group_when_orphaned(fd: int) -> None:
 
 
 def simulate(job: Job, on_round: Any) -> None:
-    """Run ``job`` on Flower's Ray simulation engine in this process."""
+    """Run ``job`` in this process: on Flower's Ray simulation engine, or (``simulation.engine``
+    ``inprocess`` / ``batched``) on the in-process driver, with the same results directory."""
+    if job.config.simulation.engine != "ray":
+        from .experiment import configure_driver_torch
+        from .inprocess import run_in_process
+
+        configure_driver_torch(job.config)
+        run_in_process(
+            job.config, job.run_dir, resume=job.resume_from > 0, stop_after=job.stop_after, on_round=on_round
+        )
+        return
     from flwr.simulation import run_simulation
 
     from . import flower_patches

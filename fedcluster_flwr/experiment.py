@@ -211,6 +211,12 @@ def client_data(config: ExperimentConfig, pid: int) -> ClientData:
     return ClientData(x_train, y_train, x_test, y_test, *validation)
 
 
+def client_device(config: ExperimentConfig) -> torch.device:
+    """Where the clients train: ``client.device``, ``auto`` meaning the GPU where there is one."""
+    device = config.client.device
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+
+
 def make_client(
     config: ExperimentConfig,
     pid: int,
@@ -224,7 +230,6 @@ def make_client(
         name = "partition-id" if data is None else "client-id"
         raise ValueError(f"{name} {pid} is outside 0..{config.partition.num_clients - 1} (partition.num_clients)")
     client = config.client
-    use_cuda = client.device == "cuda" or (client.device == "auto" and torch.cuda.is_available())
     return client_class(
         pid=pid,
         num_partitions=num_partitions,
@@ -234,7 +239,7 @@ def make_client(
             client.epochs, client.batch_size, client.lr, client.optimizer, client.momentum, client.weight_decay
         ),
         seed=config.seed,
-        device=torch.device("cuda" if use_cuda else "cpu"),
+        device=client_device(config),
         fail_rounds=config.simulation.fail_fit.get(pid, ()),
         faults=Faults(config.faults.drop_rate, config.faults.nan_rate, config.faults.seed),
     )

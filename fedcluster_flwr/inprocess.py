@@ -1,4 +1,5 @@
-"""Run a strategy against real ClusterClients in this process, without Ray.
+"""Run a strategy against real ClusterClients in this process, without Ray: the ``inprocess`` and
+``batched`` engines (``simulation.engine``).
 
 Flower's server loop, reduced to what a strategy sees: configure_fit -> each client's
 ``fit`` (an exception is a failure) -> aggregate_fit -> configure_evaluate -> evaluate ->
@@ -8,6 +9,10 @@ and the thread pool are missing (replies are handed over in partition-id order, 
 strategies do not depend on). Fast and deterministic: the behaviour-preservation test,
 seed sweeps (``benchmarks/multimodel --paper``) and quick studies use it; a slow test shows it gives
 the Ray engine's rounds bit for bit, and end-to-end tests use Ray.
+
+With ``simulation.engine: batched`` each client's handler runs in a thread of its own and the torch
+work of a round's clients executes together (:mod:`fedcluster_flwr.engines.batched`); torch then
+uses every core of this process instead of one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
 from .config import ExperimentConfig
-from .experiment import make_client, server_components
+from .engines.batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
+from .experiment import client_device, make_client, server_components
 from .numerics import torch_threads
 from .results import RoundRow
 from .strategies import StrategySetup
@@ -30,10 +36,13 @@ from .strategies import StrategySetup
 class InProcessProxy(ClientProxy):
     """A Flower client proxy that calls a real ClusterClient directly."""
 
-    def __init__(self, config: ExperimentConfig, pid: int):
+    def __init__(self, config: ExperimentConfig, pid: int, rendezvous: Rendezvous | None = None):
         super().__init__(f"node-{1000 + 7 * pid}")  # node ids unrelated to partition ids, as Flower's are
         self.pid = pid
-        self.client = make_client(config, pid, config.partition.num_clients).to_client()
+        client = make_client(config, pid, config.partition.num_clients)
+        if rendezvous is not None:
+            client.compute = BatchedCompute(rendezvous, pid)
+        self.client = client.to_client()
 
     def get_properties(self, ins, timeout, group_id):
         return self.client.get_properties(ins)
@@ -51,16 +60,40 @@ class InProcessProxy(ClientProxy):
         raise NotImplementedError
 
 
-def _call_all(instructions, method: str) -> tuple[list, list]:
+def _call_all(instructions, method: str, rendezvous: Rendezvous | None = None) -> tuple[list, list]:
+    """Every instruction's call, in partition-id order (with ``rendezvous``: in threads that meet
+    at their torch work, replies still taken in partition-id order)."""
+    ordered = sorted(instructions, key=lambda item: item[0].pid)
+    calls = [lambda proxy=proxy, ins=ins: getattr(proxy, method)(ins, None, None) for proxy, ins in ordered]
+    if rendezvous is None:
+        outcomes = []
+        for call in calls:
+            try:
+                outcomes.append((True, call()))
+            except Exception as err:  # noqa: BLE001 - a raising client is a failure, as in Flower
+                outcomes.append((False, err))
+    else:
+        outcomes = rendezvous.run_all(calls)
     results, failures = [], []
-    for proxy, ins in sorted(instructions, key=lambda item: item[0].pid):
-        try:
-            res = getattr(proxy, method)(ins, None, None)
-        except Exception as err:  # noqa: BLE001 - a raising client is a failure, as in Flower
-            failures.append(err)
-            continue
-        (results if res.status.code == Code.OK else failures).append((proxy, res))
+    for (proxy, _), (ok, value) in zip(ordered, outcomes):
+        if not ok:
+            if not isinstance(value, Exception):  # KeyboardInterrupt, SystemExit: not a client's failure
+                raise value
+            failures.append(value)
+        else:
+            (results if value.status.code == Code.OK else failures).append((proxy, value))
     return results, failures
+
+
+def batched_rendezvous(config: ExperimentConfig) -> Rendezvous:
+    """The meeting point of a batched run's clients, with its stacking policy and memory budget."""
+    device = client_device(config)
+    memory = config.simulation.batched_memory_gb
+    policy = BatchPolicy(
+        stack_on_cpu=config.model.name not in CPU_UNSTACKED_MODELS,
+        memory_bytes=default_memory_bytes(device) if memory is None else int(memory * 1024**3),
+    )
+    return Rendezvous(lambda batch: execute(batch, policy))
 
 
 def run_in_process(
@@ -78,20 +111,23 @@ def run_in_process(
 
     ``make_strategy`` builds another strategy from the experiment's setup (a strategy that
     is not in the registry, e.g. a test's own); ``on_round`` is called with each round's row as
-    it is recorded (as ``fedcluster run``'s progress is).
+    it is recorded (as ``fedcluster run``'s progress is). ``config.simulation.engine`` ``batched``
+    executes the round's clients together; any other value runs them one after another.
     """
-    with torch_threads(1):
+    batched = config.simulation.engine == "batched"
+    with torch_threads(cpu_threads() if batched else 1):
         components = server_components(
             config, run_dir, on_round, resume=resume, stop_after=stop_after, make_strategy=make_strategy
         )
         strategy = components.strategy
+        rendezvous = batched_rendezvous(config) if batched else None
         manager = SimpleClientManager()
         for pid in range(config.partition.num_clients):
-            manager.register(InProcessProxy(config, pid))
+            manager.register(InProcessProxy(config, pid, rendezvous))
         for server_round in range(1, components.config.num_rounds + 1):
-            results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit")
+            results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
             strategy.aggregate_fit(server_round, results, failures)
             instructions = strategy.configure_evaluate(server_round, None, manager)
             if instructions:  # as Flower's server: no evaluation round without instructions
-                strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate"))
+                strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate", rendezvous))
     return strategy

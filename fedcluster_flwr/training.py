@@ -120,6 +120,21 @@ def train(
     return float(np.mean(torch.stack(losses).cpu().tolist())) if losses else float("nan")
 
 
+class LocalCompute:
+    """A client's torch work, run at once and alone (the Ray and in-process engines). The batched
+    engine gives its clients another object with these two methods, which runs the work of a round's
+    clients together (:class:`fedcluster_flwr.engines.batched.BatchedCompute`)."""
+
+    def train(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TrainSettings,
+        generator: torch.Generator, device: torch.device,
+    ) -> float:
+        return train(model, x, y, settings, generator, device)
+
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
+        return evaluate(model, x, y, device)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch_size: int = 1024

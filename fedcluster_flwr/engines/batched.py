@@ -1,0 +1,236 @@
+"""The batched engine: a round's clients run their task handlers as usual, and the torch work the
+handlers ask for (local training, evaluation, a model's loss on the client's data) executes for
+all of them together.
+
+How, without a second copy of any algorithm: every client task's handler runs unchanged, each in a
+thread of its own (:class:`Rendezvous`). When a handler asks its client's :class:`BatchedCompute`
+to train or evaluate a model, the request is parked and the thread waits. Once every handler of
+the round is either waiting or done, the parked requests execute together (:func:`execute`):
+requests of one kind on one architecture and device, with equal training settings, run stacked
+(:mod:`.stacked`); the others run one client at a time, exactly as on the in-process engine. Then
+the handlers go on, to their next request or their reply. Which requests meet is a function of the
+handlers alone, never of thread timing, and each group runs in partition-id order, so a seed
+gives the same run every time on the same machine.
+
+Where stacking does not pay (:data:`CPU_UNSTACKED_MODELS`, measured in benchmarks/engines) or a
+model holds buffers, those clients run one after another, and the run says so once. The client
+axis is cut into chunks that fit ``simulation.batched_memory_gb`` (default: half the memory free
+when the engine starts, on the GPU or in RAM).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..training import TrainSettings, evaluate, train
+from .stacked import ClientBatchData, architecture_key, can_stack, evaluate_stacked, train_stacked
+
+log = logging.getLogger("fedcluster")
+
+# Models that train slower stacked than one after another on a CPU (benchmarks/engines/README.md:
+# vmap turns their wide 5x5 convolutions into grouped convolutions, which oneDNN runs slower than
+# one convolution per client). On a GPU every model is stacked.
+CPU_UNSTACKED_MODELS = frozenset({"cnn_briggs"})
+
+EVALUATION_BATCH = 1024  # training.evaluate's default batch: the per-client path is unchanged
+
+
+@dataclass(eq=False)
+class Request:
+    """One client's torch work, parked until its group executes."""
+
+    kind: str  # "train" | "evaluate"
+    pid: int
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    device: torch.device
+    settings: TrainSettings | None = None
+    generator: torch.Generator | None = None
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+    def group_key(self) -> tuple:
+        return (self.kind, architecture_key(self.model), self.device, self.settings)
+
+    def run_alone(self) -> Any:
+        """What the in-process engine does for this request."""
+        if self.kind == "train":
+            return train(self.model, self.x, self.y, self.settings, self.generator, self.device)
+        return evaluate(self.model, self.x, self.y, self.device)
+
+
+class Rendezvous:
+    """Runs callables in threads of their own; a thread that :meth:`submit`\\ s a request waits until
+    every thread is waiting or finished, then all waiting requests execute (``execute``) at once."""
+
+    def __init__(self, execute: Callable[[list[Request]], None]) -> None:
+        self._execute = execute
+        self._condition = threading.Condition()
+        self._running = 0
+        self._parked: list[Request] = []
+
+    def run_all(self, calls: Sequence[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+        """``(True, value)`` or ``(False, exception)`` for each call, in order."""
+        outcomes: list[tuple[bool, Any]] = [(False, RuntimeError("not run"))] * len(calls)
+        with self._condition:
+            self._running = len(calls)
+
+        def body(i: int, call: Callable[[], Any]) -> None:
+            try:
+                outcomes[i] = (True, call())
+            except BaseException as err:  # noqa: BLE001 - the caller decides; a failed client is a failure
+                outcomes[i] = (False, err)
+            finally:
+                with self._condition:
+                    self._running -= 1
+                    self._execute_if_all_wait()
+
+        threads = [threading.Thread(target=body, args=(i, call), daemon=True) for i, call in enumerate(calls)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return outcomes
+
+    def submit(self, request: Request) -> Any:
+        with self._condition:
+            self._parked.append(request)
+            self._running -= 1
+            self._execute_if_all_wait()
+            while not request.done:
+                self._condition.wait()
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _execute_if_all_wait(self) -> None:  # with the lock held: no other thread can run meanwhile
+        if self._running or not self._parked:
+            return
+        batch, self._parked = sorted(self._parked, key=lambda r: r.pid), []
+        try:
+            self._execute(batch)
+        except BaseException as err:  # noqa: BLE001 - handed to each waiting client
+            for request in batch:
+                if not request.done:
+                    request.error, request.done = err, True
+        self._running += len(batch)
+        self._condition.notify_all()
+
+
+@dataclass
+class BatchPolicy:
+    """What runs stacked and in chunks of how many clients."""
+
+    stack_on_cpu: bool
+    memory_bytes: int
+    said: set[str] = field(default_factory=set)
+
+    def stacks(self, request: Request) -> bool:
+        if not can_stack(request.model):
+            self._say_once("buffers", "models with buffers (e.g. BatchNorm) train one client at a time")
+            return False
+        if request.device.type == "cpu" and not self.stack_on_cpu:
+            self._say_once("cpu", "this model trains faster one client at a time on a CPU (benchmarks/engines)")
+            return False
+        return True
+
+    def chunk_size(self, request: Request, longest: int) -> int:
+        """Clients per stacked call, so that their parameters, optimizer state and activations fit
+        ``memory_bytes``: a rough but safe upper estimate."""
+        parameter_bytes = sum(p.numel() * p.element_size() for p in request.model.parameters())
+        samples = longest if request.kind == "evaluate" else request.settings.batch_size
+        sample_bytes = request.x[:1].numel() * request.x.element_size()
+        per_client = 5 * parameter_bytes + samples * sample_bytes * 64 + longest * sample_bytes
+        return max(1, int(self.memory_bytes // per_client))
+
+    def _say_once(self, key: str, text: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            log.warning("batched engine: %s", text)
+
+
+def execute(batch: list[Request], policy: BatchPolicy) -> None:
+    """Run ``batch``: each group of like requests stacked (or one by one, see :class:`BatchPolicy`)."""
+    groups: dict[tuple, list[Request]] = {}
+    for request in batch:
+        groups.setdefault(request.group_key(), []).append(request)
+    for requests in groups.values():
+        if len(requests) == 1 or not policy.stacks(requests[0]):
+            for request in requests:
+                _finish(request, request.run_alone)
+            continue
+        longest = max(len(r.y) for r in requests)
+        size = policy.chunk_size(requests[0], longest)
+        for start in range(0, len(requests), size):
+            _run_stacked(requests[start : start + size])
+
+
+def _finish(request: Request, work: Callable[[], Any]) -> None:
+    try:
+        request.result = work()
+    except Exception as err:  # noqa: BLE001 - this client's failure alone
+        request.error = err
+    request.done = True
+
+
+def _run_stacked(requests: list[Request]) -> None:
+    first = requests[0]
+    data = [ClientBatchData(r.x, r.y) for r in requests]
+    try:
+        if first.kind == "train":
+            results = train_stacked([r.model for r in requests], data, first.settings, [r.generator for r in requests], first.device)
+        else:
+            results = evaluate_stacked([r.model for r in requests], data, first.device)
+    except Exception as err:  # noqa: BLE001 - e.g. out of memory: these clients fail, the run goes on
+        for request in requests:
+            request.error, request.done = err, True
+        return
+    for request, result in zip(requests, results):
+        request.result, request.done = result, True
+
+
+class BatchedCompute:
+    """A client's torch work on the batched engine: parked with the round's others (see the module)."""
+
+    def __init__(self, rendezvous: Rendezvous, pid: int) -> None:
+        self.rendezvous = rendezvous
+        self.pid = pid
+
+    def train(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TrainSettings,
+        generator: torch.Generator, device: torch.device,
+    ) -> float:
+        return self.rendezvous.submit(Request("train", self.pid, model, x, y, device, settings, generator))
+
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
+        return self.rendezvous.submit(Request("evaluate", self.pid, model, x, y, device))
+
+
+def default_memory_bytes(device: torch.device) -> int:
+    """Half the memory free now: on the GPU for a CUDA device, else in RAM (``MemAvailable``)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return 2 * 1024**3
+
+
+def cpu_threads() -> int:
+    """The cores this process may use: the batched engine computes in one process, on all of them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
