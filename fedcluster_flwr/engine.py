@@ -109,9 +109,10 @@ def simulate(job: Job, on_round: Any) -> None:
         from .inprocess import run_in_process
 
         configure_driver_torch(job.config)
-        run_in_process(
-            job.config, job.run_dir, resume=job.resume_from > 0, stop_after=job.stop_after, on_round=on_round
-        )
+        with _quiet(job.verbose):
+            run_in_process(
+                job.config, job.run_dir, resume=job.resume_from > 0, stop_after=job.stop_after, on_round=on_round
+            )
         return
     from flwr.simulation import run_simulation
 
