@@ -1,13 +1,16 @@
-"""A real deployment on 127.0.0.1: SuperLink with TLS and SuperNode authentication, registered
-SuperNodes on partitions and on an exported data folder, an unregistered one, `flwr run`, a
-SuperNode killed and restarted. The commands are those of the README's "Deployment on real
-devices"; every process is started here and stopped here, by process group, even on failure.
+"""A real deployment: SuperLink with TLS and SuperNode authentication, registered SuperNodes on
+partitions and on an exported data folder, an unregistered one, `flwr run`, a SuperNode killed and
+restarted; on 127.0.0.1, and across a private network of two namespaces (the SuperLink's "machine"
+and the devices'), as on two machines. The commands are those of the README's "Deployment on real
+devices", the certificates come from `deploy/make_certificates.sh`; every process is started here
+and stopped here, by session, and every namespace removed, even on failure.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -116,17 +119,108 @@ def rounds_of(results: Path) -> list[dict]:
     return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
 
 
-def make_certificates(certs: Path, env: dict[str, str]) -> None:
-    """README: a self-signed CA and a server certificate for 127.0.0.1/localhost."""
-    certs.mkdir()
-    (certs / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for cmd in (
-        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=fedcluster-ca -keyout ca.key -out ca.crt",
-        "openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout server.key -out server.csr",
-        "openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 "
-        "-extfile server.ext -out server.pem",
-    ):
-        run(cmd.split(), certs, env)
+MAKE_CERTIFICATES = ROOT / "deploy" / "make_certificates.sh"
+REGISTER_SUPERNODES = ROOT / "deploy" / "register_supernodes.sh"
+
+
+def make_certificates(certs: Path, env: dict[str, str], superlink_host: str) -> None:
+    """README: a private CA and a server certificate naming the address the devices dial."""
+    run(["bash", str(MAKE_CERTIFICATES), str(certs), superlink_host], ROOT, env | {"FEDCLUSTER_CERT_DAYS": "1"})
+
+
+CONNECT = "import socket, sys; sys.exit(socket.socket().connect_ex((sys.argv[1], int(sys.argv[2]))))"
+
+
+class Loopback:
+    """Every process on this machine, the SuperLink on 127.0.0.1 (flwr's default `--host`)."""
+
+    listen_host = "127.0.0.1"  # the SuperLink's --host
+    superlink_host = "127.0.0.1"  # what the devices and `flwr` dial, and the certificate names
+
+    def on_server(self, cmd: Sequence[str]) -> list[str]:
+        return list(cmd)
+
+    def on_devices(self, cmd: Sequence[str]) -> list[str]:
+        return list(cmd)
+
+    def connects_from_devices(self, host: str, port: int) -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex((host, port)) == 0
+
+
+class PrivateNetwork:
+    """Two network namespaces made for one test, standing for two machines: the SuperLink's and the
+    devices' (the SuperNodes and `flwr`), joined by a veth pair with addresses from 198.18.0.0/15
+    (RFC 2544's range for network tests). Each namespace has its own loopback, so a SuperLink bound
+    to 127.0.0.1 serves its namespace only, as on a real machine, and the devices have no route but
+    the veth: no test traffic reaches this machine's own addresses or leaves it. Skips the test
+    (with the reason) where namespaces cannot be made (not root, no `ip`, not permitted); on exit the
+    namespaces are deleted, which deletes the veth pair too."""
+
+    listen_host = "0.0.0.0"  # README: every address of the SuperLink's machine, here its loopback and the veth
+    superlink_host = "198.18.0.1"
+    device_host = "198.18.0.2"
+
+    def __init__(self) -> None:
+        tag = f"fcd{os.getpid()}"  # one pair per test process: tests of other worktrees run beside it
+        self.server, self.devices = f"{tag}s", f"{tag}d"
+        self.created: list[str] = []
+
+    def __enter__(self) -> PrivateNetwork:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to create network namespaces (ip netns add)")
+        self.ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin")
+        if self.ip is None:
+            pytest.skip("iproute2's `ip` is not installed (needed for ip netns add)")
+        try:
+            for namespace in (self.server, self.devices):
+                self._ip_or_skip("netns", "add", namespace)
+                self.created.append(namespace)
+            self._ip_or_skip("link", "add", "veth0", "netns", self.server, "type", "veth",
+                             "peer", "name", "veth0", "netns", self.devices)
+            for namespace, host in ((self.server, self.superlink_host), (self.devices, self.device_host)):
+                for args in (("addr", "add", f"{host}/30", "dev", "veth0"), ("link", "set", "veth0", "up"),
+                             ("link", "set", "lo", "up")):  # the SuperLink and SuperNodes use 127.0.0.1 inside too
+                    self._ip("-n", namespace, *args)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self.created:
+            subprocess.run([self.ip, "netns", "del", self.created.pop()], capture_output=True, timeout=30)
+
+    def namespaces(self) -> list[str]:
+        listed = subprocess.run([self.ip, "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+        return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+    def _ip(self, *args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([self.ip, *args], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, f"ip {' '.join(args)}: {done.stderr.strip()}"
+        return done
+
+    def _ip_or_skip(self, *args: str) -> None:
+        done = subprocess.run([self.ip, *args], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:  # e.g. "Operation not permitted" in an unprivileged container
+            pytest.skip(f"cannot make a private test network: ip {' '.join(args)}: {done.stderr.strip()}")
+
+    def on_server(self, cmd: Sequence[str]) -> list[str]:
+        return [self.ip, "netns", "exec", self.server, *cmd]
+
+    def on_devices(self, cmd: Sequence[str]) -> list[str]:
+        return [self.ip, "netns", "exec", self.devices, *cmd]
+
+    def connects_from_server(self, host: str, port: int) -> bool:
+        return self._connects(self.on_server, host, port)
+
+    def connects_from_devices(self, host: str, port: int) -> bool:
+        return self._connects(self.on_devices, host, port)
+
+    @staticmethod
+    def _connects(on, host: str, port: int) -> bool:
+        return subprocess.run(on([sys.executable, "-c", CONNECT, host, str(port)]), capture_output=True,
+                              timeout=30).returncode == 0
 
 
 RUN_OVERRIDES = "strategy.rounds_before_clustering=1 strategy.client_fraction=1.0 simulation.round_timeout_s=60"
@@ -134,11 +228,13 @@ NUM_CLIENTS = 3
 
 
 class Deployment:
-    """The README's deployment on 127.0.0.1: certificates, device keys, the exported partitions,
-    a SuperLink with TLS and SuperNode authentication, registered devices; every process it
-    starts is stopped on exit (by session, SIGTERM then SIGKILL), whatever happened."""
+    """The README's deployment, on 127.0.0.1 or on a :class:`PrivateNetwork`: certificates, device
+    keys, the exported partitions, a SuperLink with TLS and SuperNode authentication, registered
+    devices; every process it starts is stopped on exit (by session, SIGTERM then SIGKILL),
+    whatever happened."""
 
-    def __init__(self, tmp_path: Path, nodes: Sequence[str]) -> None:
+    def __init__(self, tmp_path: Path, nodes: Sequence[str], network: Loopback | PrivateNetwork | None = None,
+                 num_clients: int = NUM_CLIENTS) -> None:
         for tool in ("openssl", "ssh-keygen"):
             if shutil.which(tool) is None:
                 pytest.skip(f"{tool} is not installed (the README's certificate and key commands use it)")
@@ -155,13 +251,13 @@ class Deployment:
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONUNBUFFERED": "1",
         }
-        make_certificates(self.certs, self.env)
+        self.network = network or Loopback()
+        self.num_clients = num_clients
+        make_certificates(self.certs, self.env, self.network.superlink_host)
         for node in nodes:  # README: one key pair per device
             run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(self.keys / node)], self.keys, self.env)
-        run([sys.executable, "-m", "fedcluster_flwr.cli", "export-partitions", str(ROOT / "conf" / "default.yaml"),
-             str(self.exported), "--set", f"partition.num_clients={NUM_CLIENTS}"], ROOT, self.env, timeout=120)
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{self.network.superlink_host}:{self.port}"
         (self.flwr_home / "config.toml").write_text(  # README: the connection flwr run uses
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
             f'address = "{self.address}"\nroot-certificates = "{self.certs / "ca.crt"}"\n'
@@ -171,43 +267,62 @@ class Deployment:
 
     def __enter__(self) -> Deployment:
         try:
-            certs = self.certs
-            self.processes.start("superlink", [
-                "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile",
-                str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth",
-                "--port", str(self.port),
-            ])
-            wait_for(lambda: _accepts(self.port), 60, "the SuperLink's port")
+            self.start_superlink("superlink", self.network.listen_host, self.port)
+            wait_for(lambda: self.network.connects_from_devices(self.network.superlink_host, self.port), 60,
+                     f"the SuperLink's port at {self.address}")
         except BaseException:
             self.processes.stop_all()
             raise
         return self
 
+    def start_superlink(self, name: str, host: str, port: int) -> None:  # README: the SuperLink's command
+        certs = self.certs
+        self.processes.start(name, self.network.on_server([
+            "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile",
+            str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth",
+            "--host", host, "--port", str(port),
+        ]))
+
     def __exit__(self, *exc: object) -> None:
         self.processes.stop_all()
 
     def register(self, node: str) -> None:  # README: flwr supernode register
-        wait_for(lambda: _register(self.keys / f"{node}.pub", self.env, self.logs), 60, f"registering {node}", 1)
+        wait_for(lambda: self._register(self.keys / f"{node}.pub"), 60, f"registering {node}", 1)
+
+    def _register(self, public_key: Path) -> bool:
+        done = subprocess.run(self.network.on_devices(["flwr", "supernode", "register", str(public_key), CONNECTION]),
+                              env=self.env, cwd=self.logs, capture_output=True, text=True, timeout=60)
+        with open(self.logs / "register.log", "a") as log:
+            log.write(done.stdout + done.stderr)
+        return done.returncode == 0
+
+    def register_with_script(self, nodes: Sequence[str]) -> str:  # README and compose: deploy/register_supernodes.sh
+        return run(self.network.on_devices(["bash", str(REGISTER_SUPERNODES), CONNECTION,
+                                            *(str(self.keys / f"{node}.pub") for node in nodes)]),
+                   self.logs, self.env, timeout=120)
 
     def partition_node(self, pid: int) -> str:
-        return f"partition-id={pid} num-partitions={NUM_CLIENTS}"
+        return f"partition-id={pid} num-partitions={self.num_clients}"
 
     def data_dir_node(self, pid: int) -> str:
+        if not self.exported.exists():  # README: fedcluster export-partitions, only for tests with data-dir devices
+            run([sys.executable, "-m", "fedcluster_flwr.cli", "export-partitions", str(ROOT / "conf" / "default.yaml"),
+                 str(self.exported), "--set", f"partition.num_clients={self.num_clients}"], ROOT, self.env, timeout=120)
         return f"data-dir='{self.exported / f'client_{pid}'}' client-id={pid} cluster-id={pid}"
 
     def start_supernode(self, node: str, node_config: str | None = None) -> None:
         self.node_configs[node] = node_config or self.node_configs[node]
-        self.processes.start(node, [
+        self.processes.start(node, self.network.on_devices([
             "flower-supernode", "--root-certificates", str(self.certs / "ca.crt"), "--superlink", self.address,
             "--auth-supernode-private-key", str(self.keys / node), "--port", str(free_port()),
             "--node-config", self.node_configs[node],
-        ])
+        ]))
 
     def flwr_run(self, rounds: int, out: Path) -> subprocess.Popen:  # README: flwr run against the deployment
-        return self.processes.start(f"flwr_run_{out.name}", [
+        return self.processes.start(f"flwr_run_{out.name}", self.network.on_devices([
             "flwr", "run", str(ROOT), CONNECTION, "--stream", "--run-config",
-            f"partition.num_clients={NUM_CLIENTS} rounds={rounds} output_dir='{out}' set='{RUN_OVERRIDES}'",
-        ])
+            f"partition.num_clients={self.num_clients} rounds={rounds} output_dir='{out}' set='{RUN_OVERRIDES}'",
+        ]))
 
     def finish(self, run: subprocess.Popen, out: Path, timeout: float = 300) -> tuple[dict, list[dict]]:
         assert run.wait(timeout=timeout) == 0, self.processes.log(f"flwr_run_{out.name}")
@@ -248,6 +363,51 @@ def test_tls_authenticated_deployment_trains_registered_nodes_refuses_others_and
         print(f"deployment test: {time.monotonic() - started:.0f} s; rounds: "
               f"{[(row['round'], row['phase'], row['fit_clients'], row['fit_failures']) for row in rows]}; refused: "
               f"{next(line for line in rogue.splitlines() if REFUSED in line).strip()}")
+
+
+def test_supernodes_on_another_machine_reach_a_superlink_listening_on_all_addresses(tmp_path):
+    """Two machines, as two network namespaces: the README's SuperLink (`--host 0.0.0.0`, TLS with
+    the certificate of `deploy/make_certificates.sh` for its network address, SuperNode
+    authentication) in one; in the other two registered SuperNodes and an unregistered one dialling
+    it at that address, and `flwr`. Also checks why `--host` is needed: a SuperLink on flwr's default
+    127.0.0.1 cannot be reached from the devices' machine."""
+    started = time.monotonic()
+    with PrivateNetwork() as network:
+        with Deployment(tmp_path, ["node0", "node1", "rogue"], network, num_clients=2) as deployment:
+            # The devices' own loopback has no SuperLink: whatever reaches it crosses the veth pair.
+            assert not network.connects_from_devices("127.0.0.1", deployment.port)
+            registered = deployment.register_with_script(["node0", "node1"])
+            assert registered.count("registered successfully") == 2, registered
+            # compose's register service runs on every `docker compose up`: a key registered before is no error.
+            assert "already registered" in deployment.register_with_script(["node0"])
+            for pid in range(2):
+                deployment.start_supernode(f"node{pid}", deployment.partition_node(pid))
+            deployment.start_supernode("rogue", deployment.partition_node(0))  # never registered
+
+            out = deployment.results / "run"
+            summary, rows = deployment.finish(deployment.flwr_run(2, out), out)
+            assert [row["round"] for row in rows] == [1, 2]
+            assert all(row["fit_clients"] == [0, 1] and row["fit_failures"] == 0 for row in rows), rows
+            assert set(rows[-1]["client_accuracy"]) == {"0", "1"}
+            assert summary["finished"] and len(summary["assignment"]) == 2
+            rogue, superlink = deployment.processes.log("rogue"), deployment.processes.log("superlink")
+            assert REFUSED in rogue and "Receiving:" not in rogue, rogue[-3000:]
+            assert REFUSED_BY_SUPERLINK in superlink
+            # The SuperLink's access log names each caller: the SuperNodes came from the devices' address.
+            activated = re.findall(rf'{re.escape(network.device_host)}:\d+ - "POST /v1/fleet/activate-node HTTP/1.1" 200',
+                                   superlink)
+            assert len(activated) == 2, superlink[-3000:]
+
+            # Without `--host` (flwr's default 127.0.0.1) the same SuperLink serves its own machine only.
+            deployment.processes.stop("superlink")
+            local_port = free_port()
+            deployment.start_superlink("superlink_on_127.0.0.1", "127.0.0.1", local_port)
+            wait_for(lambda: network.connects_from_server("127.0.0.1", local_port), 60,
+                     "the SuperLink on 127.0.0.1 to listen")
+            assert not network.connects_from_devices(network.superlink_host, local_port)
+    assert not {network.server, network.devices} & set(network.namespaces())  # both namespaces are gone
+    print(f"two-machine test: {time.monotonic() - started:.0f} s; rounds: "
+          f"{[(row['round'], row['phase'], row['fit_clients'], row['mean_client_accuracy']) for row in rows]}")
 
 
 SIMULATE = """
@@ -292,19 +452,6 @@ def test_devices_on_exported_partitions_replay_the_simulation(tmp_path):
 
 def rounds_of_dir(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _register(public_key: Path, env: dict[str, str], logs: Path) -> bool:
-    done = subprocess.run(["flwr", "supernode", "register", str(public_key), CONNECTION], env=env, cwd=logs,
-                          capture_output=True, text=True, timeout=60)
-    with open(logs / "register.log", "a") as log:
-        log.write(done.stdout + done.stderr)
-    return done.returncode == 0
 
 
 def _finished_summary(results: Path) -> str | None:
