@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .config import ExperimentConfig, load_config, parse_override
+from .config import ConfigWarning, ExperimentConfig, keys_set_in, load_config, parse_override
 from .data import DataError
 from .results import RoundRow, plot_comparison, run_dir_name
-from .schema import ConfigError, InRegistry
+from .schema import ConfigError, InRegistry, config_keys
 from .strategies import STRATEGIES
 
 EXIT_USER_ERROR = 2
@@ -92,14 +92,14 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def _load(args: argparse.Namespace) -> ExperimentConfig:
-    config, notes = load_config(args.config, [parse_override(item) for item in args.set])
+    config, notes = load_config(args.config, [parse_override(item) for item in args.set], strict=True)
     _print_notes(notes)
     return config
 
 
 def _print_notes(notes: Sequence[str]) -> None:
     for note in notes:
-        print(f"note: {note}", file=sys.stderr)
+        print(f"{'warning' if isinstance(note, ConfigWarning) else 'note'}: {note}", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -146,10 +146,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ConfigError("--strategies", f"{', '.join(repeated)} given twice; each strategy runs once")
+    base = [parse_override(item) for item in args.base_set]
+    check_compared_options(base, names)
     configs = {}
     for name in names:
-        args.set = [*args.base_set, f"strategy.name={name}"]
-        configs[name] = _load(args)
+        # Not strict: a --set option of one compared strategy is only a note for the others.
+        config, notes = load_config(args.config, [*base, ("strategy.name", name)])
+        _print_notes(notes)
+        configs[name] = config
     first = next(iter(configs.values()))
     out = Path(args.out or Path(first.output_dir) / run_dir_name("compare", first.dataset.name, first.partition.name))
     out = out.resolve()
@@ -166,6 +170,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(table)
     print(f"\nwritten: {out / 'comparison.md'}, {out / 'comparison.png'}")
     return 0
+
+
+def check_compared_options(overrides: Sequence[tuple[str, Any]], names: Sequence[str]) -> None:
+    """A ``--set strategy.KEY`` of ``fedcluster compare`` must be an option of at least one compared
+    strategy (each of the others ignores it with a note); a key no strategy has is left to the
+    config's unknown-key error, which suggests a spelling."""
+    compared = {key for name in names for key in config_keys(STRATEGIES[name].Options)} | {"name"}
+    for key in sorted(keys_set_in("strategy", overrides) - compared):
+        owners = [name for name, cls in STRATEGIES.items() if key in config_keys(cls.Options)]
+        if owners:
+            raise ConfigError(f"strategy.{key}", f"not an option of any compared strategy ({', '.join(names)}; it is "
+                              f"one of {', '.join(owners)}): drop it, or compare a strategy that has it")
 
 
 def comparison_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:

@@ -17,6 +17,7 @@ run stopped between writing them is detected when resuming.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -114,6 +115,9 @@ class RunRecorder:
         arrays: dict[str, np.ndarray] = {}
         state = {"format": CHECKPOINT_FORMAT, **_arrays_out(checkpoint, arrays)}
         arrays["round"] = np.asarray(checkpoint["round"])
+        logged = [row for row in self.rows if row["round"] == checkpoint["round"]]
+        if logged:  # ties the checkpoint to this run's log: one copied in from another run is told apart
+            state[ROW_DIGEST] = row_digest(logged[-1])
         fd, models_tmp = tempfile.mkstemp(dir=folder, prefix=".models.", suffix=".npz")
         with os.fdopen(fd, "wb") as handle:
             np.savez(handle, **arrays)
@@ -374,6 +378,15 @@ def branch_run(
     atomic_write(target / BRANCH_FILE, json.dumps(provenance, indent=2) + "\n")
 
 
+ROW_DIGEST = "row_digest"  # state.json: row_digest() of the checkpoint round's row in rounds.jsonl
+
+
+def row_digest(row: Mapping[str, Any]) -> str:
+    """A fingerprint of a round's row as ``rounds.jsonl`` holds it. Rows carry the round's wall
+    seconds, so two runs (even of one config) practically never share one."""
+    return hashlib.sha256(json.dumps(row, sort_keys=True).encode()).hexdigest()[:16]
+
+
 CHECKPOINT_FORMAT = 2  # 1: before strategies had state_dict() (models by name + flat state); not readable
 _ARRAY, _INT_KEYS = "__array__", "__int_keys__"
 
@@ -507,6 +520,7 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
         raise DamagedRunError(folder / "models.npz", f"is corrupted ({' '.join(str(err).split())})") from None
     checkpoint = _arrays_in(state, arrays)
     del checkpoint["format"]
+    checkpoint.pop(ROW_DIGEST, None)  # which run the file belongs to (check_resumable), not the run's state
     return checkpoint
 
 
@@ -539,20 +553,45 @@ def check_resumable(run_dir: Path) -> dict[str, Any]:
     has started): its checkpoint's two files, and a ``rounds.jsonl`` holding every round up to the
     checkpoint. Returns ``state.json`` (arrays as references); raises :class:`DamagedRunError`."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        holder = run_dir.parent
+        hint = (f"resume the run that holds it: fedcluster resume {holder}" if (holder / "config.yaml").is_file()
+                else "give the run's folder (the one holding config.yaml and checkpoint/)")
+        raise DamagedRunError(run_dir, f"is a file, not a run directory: {hint}")
     if not run_dir.is_dir():
         raise DamagedRunError(run_dir, "no such run directory")
     if not (run_dir / "config.yaml").is_file():
         raise DamagedRunError(run_dir / "config.yaml", "not found: is this a fedcluster run directory?")
     state = read_checkpoint_state(run_dir)
     check_checkpoint_arrays(run_dir, state)
-    logged = {row["round"] for row in read_rounds(run_dir)}
+    rows = read_rounds(run_dir)
+    logged = {row["round"] for row in rows}
     missing = [r for r in range(1, state["round"] + 1) if r not in logged]
     if missing:
         raise DamagedRunError(
             run_dir / "rounds.jsonl",
             f"lacks the rows of round{'s' if len(missing) > 1 else ''} {_ranges(missing)}; the checkpoint is at round {state['round']}",
         )
+    check_checkpoint_belongs(run_dir, state, rows)
     return state
+
+
+def check_checkpoint_belongs(run_dir: Path, state: Mapping[str, Any], rows: Sequence[RoundRow]) -> None:
+    """The checkpoint must be this run's: its round's row in ``rounds.jsonl`` is the one it was
+    saved with. Checked before the config is compared with the checkpoint, so that a checkpoint
+    copied in from another run is named as the cause rather than this run's ``config.yaml``.
+    Checkpoints written before the digest existed are not checked."""
+    digest = state.get(ROW_DIGEST)
+    if digest is None:
+        return
+    done = state["round"]
+    row = [r for r in rows if r["round"] == done][-1]
+    if row_digest(row) != digest:
+        raise DamagedRunError(
+            run_dir / "checkpoint",
+            f"belongs to another run: its round {done} is not the round {done} that {run_dir / 'rounds.jsonl'} records "
+            "(copied in from another run?); put this run's checkpoint/ back, or resume the run it came from",
+        )
 
 
 def _ranges(numbers: Sequence[int]) -> str:
