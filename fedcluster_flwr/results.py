@@ -66,6 +66,20 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     os.replace(tmp, path)
 
 
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """``summary.json`` of ``run_dir``: a JSON object (``"finished": true`` once the run ended)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DamagedRunError(path, "not found: the run's summary is missing") from None
+    except (OSError, ValueError) as err:
+        raise DamagedRunError(path, f"cannot be read as JSON ({' '.join(str(err).split())}): truncated or edited") from None
+    if not isinstance(summary, dict):
+        raise DamagedRunError(path, f"must hold a JSON object, got {type(summary).__name__}")
+    return summary
+
+
 def run_dir_name(strategy: str, dataset: str, partition: str) -> str:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return f"{stamp}_{strategy}_{dataset}_{partition}"

@@ -155,6 +155,46 @@ def in_process_runs(monkeypatch, stop_in=None):
     return calls
 
 
+def test_an_interrupted_compare_is_completed_by_running_it_again(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    args = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local,oracle", "--out", str(out), "--no-progress"]
+    calls = in_process_runs(monkeypatch, stop_in="local")
+    assert cli.main(args) == 130
+    assert calls == [("fedavg", 0), ("local", 0)]
+    assert f"run it again with --out {out}" in capsys.readouterr().err
+    assert json.loads((out / "fedavg" / "summary.json").read_text())["finished"] is True
+    assert json.loads((out / "local" / "summary.json").read_text())["completed_rounds"] == 1
+    assert not (out / "oracle").exists() and not (out / "comparison.md").exists()
+    fedavg_rows = (out / "fedavg" / "rounds.jsonl").read_text()
+
+    calls = in_process_runs(monkeypatch)
+    assert cli.main(args) == 0
+    assert calls == [("local", 1), ("oracle", 0)]  # fedavg kept, local resumed from its round-1 checkpoint
+    assert (out / "fedavg" / "rounds.jsonl").read_text() == fedavg_rows
+    for name in ("local", "oracle"):
+        rows = [json.loads(line) for line in (out / name / "rounds.jsonl").read_text().splitlines()]
+        assert [row["round"] for row in rows] == [1, 2, 3]
+    table = (out / "comparison.md").read_text()
+    assert all(f"| {name} |" in table for name in ("fedavg", "local", "oracle"))
+    assert (out / "comparison.png").stat().st_size > 0
+    assert runner.plan_continuation(out / "local", rounds=5).completed_round == 3  # a resumed run's checkpoint is its own
+
+    calls = in_process_runs(monkeypatch)  # once complete, a rerun runs nothing and writes the same table
+    assert cli.main(args) == 0 and calls == []
+    assert (out / "comparison.md").read_text() == table
+
+
+def test_a_compare_rerun_with_other_options_refuses_the_earlier_results(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    in_process_runs(monkeypatch, stop_in="local")
+    base = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local", "--out", str(out), "--no-progress"]
+    assert cli.main(base) == 130
+    calls = in_process_runs(monkeypatch)
+    assert cli.main([*base, "--set", "client.lr=0.01"]) == 2
+    assert f"--out: {out / 'fedavg'} holds a run whose client.lr differs from this comparison's" in capsys.readouterr().err
+    assert calls == []
+
+
 def test_a_checkpoint_copied_in_from_another_run_is_named_not_the_config(tmp_path):
     """Real checkpoints (written by the in-process driver) carry their round's row digest."""
     from fedcluster_flwr.inprocess import run_in_process
