@@ -57,10 +57,25 @@ def json_ready(value: Any) -> Any:
     return value
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; it is put back at once
+    os.umask(mask)
+    return mask
+
+
+def mkstemp_public(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """``tempfile.mkstemp`` with the mode an ordinary file gets (0o666 less the umask: 0644 under
+    the usual 022), not mkstemp's private 0600: result files are renamed into place and meant to
+    be read by others (a shared results folder, a web server)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+    os.fchmod(fd, 0o666 & ~_current_umask())
+    return fd, tmp
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, mode) as handle:
         handle.write(data)
     os.replace(tmp, path)
@@ -132,10 +147,10 @@ class RunRecorder:
         logged = [row for row in self.rows if row["round"] == checkpoint["round"]]
         if logged:  # ties the checkpoint to this run's log: one copied in from another run is told apart
             state[ROW_DIGEST] = row_digest(logged[-1])
-        fd, models_tmp = tempfile.mkstemp(dir=folder, prefix=".models.", suffix=".npz")
+        fd, models_tmp = mkstemp_public(folder, prefix=".models.", suffix=".npz")
         with os.fdopen(fd, "wb") as handle:
             np.savez(handle, **arrays)
-        fd, state_tmp = tempfile.mkstemp(dir=folder, prefix=".state.", suffix=".json")
+        fd, state_tmp = mkstemp_public(folder, prefix=".state.", suffix=".json")
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(state, indent=1) + "\n")
         # Both written before either replaces the last checkpoint: a run killed now (kill -9, a
@@ -149,7 +164,7 @@ class RunRecorder:
         for name, artifact in artifacts.items():
             path = self.run_dir / name
             if isinstance(artifact, np.ndarray):
-                fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=f".{name}.", suffix=".npy")
+                fd, tmp = mkstemp_public(self.run_dir, prefix=f".{name}.", suffix=".npy")
                 with os.fdopen(fd, "wb") as handle:
                     np.save(handle, artifact)
                 os.replace(tmp, path)
