@@ -250,8 +250,19 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed distribution's version: pyproject.toml's ``version``, the one place it is written."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedcluster-flwr")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedcluster", description="Clustered federated learning on Flower.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_run_options(p: argparse.ArgumentParser, set_dest: str) -> None:

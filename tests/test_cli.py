@@ -212,3 +212,15 @@ def test_a_checkpoint_copied_in_from_another_run_is_named_not_the_config(tmp_pat
     shutil.copytree(other / "checkpoint", mine / "checkpoint")
     with pytest.raises(ConfigError, match=f"^{mine / 'checkpoint'}: belongs to another run"):
         runner.plan_continuation(mine)
+
+
+def test_version_is_the_one_pyproject_declares(capsys):
+    import tomllib
+
+    from conftest import ROOT
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fedcluster {declared}"
