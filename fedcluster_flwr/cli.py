@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .config import ExperimentConfig, load_config, parse_override
+from .config import ConfigWarning, ExperimentConfig, config_to_dict, keys_set_in, load_config, parse_override
 from .data import DataError
-from .results import RoundRow, plot_comparison, run_dir_name
-from .schema import ConfigError, InRegistry
+from .results import RoundRow, atomic_write, plot_comparison, read_summary, run_dir_name
+from .schema import ConfigError, InRegistry, config_keys
 from .strategies import STRATEGIES
 
 EXIT_USER_ERROR = 2
@@ -92,14 +92,14 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def _load(args: argparse.Namespace) -> ExperimentConfig:
-    config, notes = load_config(args.config, [parse_override(item) for item in args.set])
+    config, notes = load_config(args.config, [parse_override(item) for item in args.set], strict=True)
     _print_notes(notes)
     return config
 
 
 def _print_notes(notes: Sequence[str]) -> None:
     for note in notes:
-        print(f"note: {note}", file=sys.stderr)
+        print(f"{'warning' if isinstance(note, ConfigWarning) else 'note'}: {note}", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -135,7 +135,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Run several strategies on the same config (same partitions, seeds and model init)."""
+    """Run several strategies on the same config (same partitions, seeds and model init), each in
+    ``OUT/<strategy>``. Run again with the same ``--out``, it completes a comparison that was
+    stopped: finished strategies are kept, a stopped one resumes from its checkpoint, the missing
+    ones run."""
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     if not names:
         raise ConfigError("--strategies", "give at least one strategy name, e.g. fedavg,flhc")
@@ -146,26 +149,64 @@ def cmd_compare(args: argparse.Namespace) -> int:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ConfigError("--strategies", f"{', '.join(repeated)} given twice; each strategy runs once")
+    base = [parse_override(item) for item in args.base_set]
+    check_compared_options(base, names)
     configs = {}
     for name in names:
-        args.set = [*args.base_set, f"strategy.name={name}"]
-        configs[name] = _load(args)
+        # Not strict: a --set option of one compared strategy is only a note for the others.
+        config, notes = load_config(args.config, [*base, ("strategy.name", name)])
+        _print_notes(notes)
+        configs[name] = config
     first = next(iter(configs.values()))
     out = Path(args.out or Path(first.output_dir) / run_dir_name("compare", first.dataset.name, first.partition.name))
     out = out.resolve()
     rows = []
     for name, config in configs.items():
         print(f"fedcluster compare: {name} ({names.index(name) + 1}/{len(names)})")
-        progress = ConsoleProgress(bar=not args.no_progress)
-        summary = runner.run_experiment(config, out / name, progress=progress, verbose=args.verbose)
+        try:
+            summary = _compare_one(config, out / name, args)
+        except runner.Interrupted:
+            print(f"to complete the comparison later, run it again with --out {out}", file=sys.stderr)
+            raise
         print(format_summary(summary, out / name))
         rows.append((name, summary))
     table = comparison_table(rows)
-    (out / "comparison.md").write_text(table + "\n")
+    atomic_write(out / "comparison.md", table + "\n")
     plot_comparison([out / name for name, _ in rows], out / "comparison.png")
     print(table)
     print(f"\nwritten: {out / 'comparison.md'}, {out / 'comparison.png'}")
     return 0
+
+
+def check_compared_options(overrides: Sequence[tuple[str, Any]], names: Sequence[str]) -> None:
+    """A ``--set strategy.KEY`` of ``fedcluster compare`` must be an option of at least one compared
+    strategy (each of the others ignores it with a note); a key no strategy has is left to the
+    config's unknown-key error, which suggests a spelling."""
+    compared = {key for name in names for key in config_keys(STRATEGIES[name].Options)} | {"name"}
+    for key in sorted(keys_set_in("strategy", overrides) - compared):
+        owners = [name for name, cls in STRATEGIES.items() if key in config_keys(cls.Options)]
+        if owners:
+            raise ConfigError(f"strategy.{key}", f"not an option of any compared strategy ({', '.join(names)}; it is "
+                              f"one of {', '.join(owners)}): drop it, or compare a strategy that has it")
+
+
+def _compare_one(config: ExperimentConfig, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One strategy of a comparison in ``run_dir``: its summary if it finished there before, else
+    its run resumed from the checkpoint it left there, else a new run."""
+    progress = ConsoleProgress(bar=not args.no_progress)
+    if not (run_dir.is_dir() and any(run_dir.iterdir())):
+        return runner.run_experiment(config, run_dir, progress=progress, verbose=args.verbose)
+    earlier, _ = load_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else (None, [])
+    changed = None if earlier is None else runner.first_difference(config_to_dict(earlier), config_to_dict(config), "")
+    if earlier is None or changed is not None:
+        what = "no config.yaml" if earlier is None else f"a run whose {changed.lstrip('.')} differs from this comparison's"
+        raise ConfigError("--out", f"{run_dir} holds {what}: give a new --out, or the options of the comparison it holds")
+    summary = read_summary(run_dir)
+    if summary.get("finished") is True:
+        print(f"  already finished in {run_dir}; kept")
+        return summary
+    continuation = runner.plan_continuation(run_dir)  # a run stopped before its first checkpoint is refused here
+    return runner.continue_run(continuation, progress=progress, verbose=args.verbose)
 
 
 def comparison_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -209,8 +250,19 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed distribution's version: pyproject.toml's ``version``, the one place it is written."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedcluster-flwr")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedcluster", description="Clustered federated learning on Flower.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_run_options(p: argparse.ArgumentParser, set_dest: str) -> None:

@@ -39,7 +39,7 @@ def resolve_config_path(path: str) -> Path:
     if candidate.is_absolute():
         return candidate
     for base in (APP_ROOT, Path.cwd()):
-        if (base / candidate).is_file():
+        if (base / candidate).exists():  # a folder too: load_config then says it is not a file
             return base / candidate
     raise ConfigError("config", f"file not found: {path} (looked in {APP_ROOT} and {Path.cwd()})")
 
@@ -59,7 +59,7 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[tuple[str, 
 def _config_from_items(items: tuple[tuple[str, Any], ...]) -> ExperimentConfig:
     run_config = dict(items)
     path = resolve_config_path(str(run_config.get(RUN_CONFIG_FILE_KEY, "conf/default.yaml")))
-    config, _ = load_config(path, overrides_from_run_config(run_config))
+    config, _ = load_config(path, overrides_from_run_config(run_config), strict=True)
     return config
 
 

@@ -17,6 +17,7 @@ run stopped between writing them is detected when resuming.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -56,13 +57,42 @@ def json_ready(value: Any) -> Any:
     return value
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; it is put back at once
+    os.umask(mask)
+    return mask
+
+
+def mkstemp_public(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """``tempfile.mkstemp`` with the mode an ordinary file gets (0o666 less the umask: 0644 under
+    the usual 022), not mkstemp's private 0600: result files are renamed into place and meant to
+    be read by others (a shared results folder, a web server)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+    os.fchmod(fd, 0o666 & ~_current_umask())
+    return fd, tmp
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, mode) as handle:
         handle.write(data)
     os.replace(tmp, path)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """``summary.json`` of ``run_dir``: a JSON object (``"finished": true`` once the run ended)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DamagedRunError(path, "not found: the run's summary is missing") from None
+    except (OSError, ValueError) as err:
+        raise DamagedRunError(path, f"cannot be read as JSON ({' '.join(str(err).split())}): truncated or edited") from None
+    if not isinstance(summary, dict):
+        raise DamagedRunError(path, f"must hold a JSON object, got {type(summary).__name__}")
+    return summary
 
 
 def run_dir_name(strategy: str, dataset: str, partition: str) -> str:
@@ -114,10 +144,13 @@ class RunRecorder:
         arrays: dict[str, np.ndarray] = {}
         state = {"format": CHECKPOINT_FORMAT, **_arrays_out(checkpoint, arrays)}
         arrays["round"] = np.asarray(checkpoint["round"])
-        fd, models_tmp = tempfile.mkstemp(dir=folder, prefix=".models.", suffix=".npz")
+        logged = [row for row in self.rows if row["round"] == checkpoint["round"]]
+        if logged:  # ties the checkpoint to this run's log: one copied in from another run is told apart
+            state[ROW_DIGEST] = row_digest(logged[-1])
+        fd, models_tmp = mkstemp_public(folder, prefix=".models.", suffix=".npz")
         with os.fdopen(fd, "wb") as handle:
             np.savez(handle, **arrays)
-        fd, state_tmp = tempfile.mkstemp(dir=folder, prefix=".state.", suffix=".json")
+        fd, state_tmp = mkstemp_public(folder, prefix=".state.", suffix=".json")
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(state, indent=1) + "\n")
         # Both written before either replaces the last checkpoint: a run killed now (kill -9, a
@@ -131,7 +164,7 @@ class RunRecorder:
         for name, artifact in artifacts.items():
             path = self.run_dir / name
             if isinstance(artifact, np.ndarray):
-                fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=f".{name}.", suffix=".npy")
+                fd, tmp = mkstemp_public(self.run_dir, prefix=f".{name}.", suffix=".npy")
                 with os.fdopen(fd, "wb") as handle:
                     np.save(handle, artifact)
                 os.replace(tmp, path)
@@ -374,6 +407,15 @@ def branch_run(
     atomic_write(target / BRANCH_FILE, json.dumps(provenance, indent=2) + "\n")
 
 
+ROW_DIGEST = "row_digest"  # state.json: row_digest() of the checkpoint round's row in rounds.jsonl
+
+
+def row_digest(row: Mapping[str, Any]) -> str:
+    """A fingerprint of a round's row as ``rounds.jsonl`` holds it. Rows carry the round's wall
+    seconds, so two runs (even of one config) practically never share one."""
+    return hashlib.sha256(json.dumps(row, sort_keys=True).encode()).hexdigest()[:16]
+
+
 CHECKPOINT_FORMAT = 2  # 1: before strategies had state_dict() (models by name + flat state); not readable
 _ARRAY, _INT_KEYS = "__array__", "__int_keys__"
 
@@ -507,6 +549,7 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
         raise DamagedRunError(folder / "models.npz", f"is corrupted ({' '.join(str(err).split())})") from None
     checkpoint = _arrays_in(state, arrays)
     del checkpoint["format"]
+    checkpoint.pop(ROW_DIGEST, None)  # which run the file belongs to (check_resumable), not the run's state
     return checkpoint
 
 
@@ -539,20 +582,45 @@ def check_resumable(run_dir: Path) -> dict[str, Any]:
     has started): its checkpoint's two files, and a ``rounds.jsonl`` holding every round up to the
     checkpoint. Returns ``state.json`` (arrays as references); raises :class:`DamagedRunError`."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        holder = run_dir.parent
+        hint = (f"resume the run that holds it: fedcluster resume {holder}" if (holder / "config.yaml").is_file()
+                else "give the run's folder (the one holding config.yaml and checkpoint/)")
+        raise DamagedRunError(run_dir, f"is a file, not a run directory: {hint}")
     if not run_dir.is_dir():
         raise DamagedRunError(run_dir, "no such run directory")
     if not (run_dir / "config.yaml").is_file():
         raise DamagedRunError(run_dir / "config.yaml", "not found: is this a fedcluster run directory?")
     state = read_checkpoint_state(run_dir)
     check_checkpoint_arrays(run_dir, state)
-    logged = {row["round"] for row in read_rounds(run_dir)}
+    rows = read_rounds(run_dir)
+    logged = {row["round"] for row in rows}
     missing = [r for r in range(1, state["round"] + 1) if r not in logged]
     if missing:
         raise DamagedRunError(
             run_dir / "rounds.jsonl",
             f"lacks the rows of round{'s' if len(missing) > 1 else ''} {_ranges(missing)}; the checkpoint is at round {state['round']}",
         )
+    check_checkpoint_belongs(run_dir, state, rows)
     return state
+
+
+def check_checkpoint_belongs(run_dir: Path, state: Mapping[str, Any], rows: Sequence[RoundRow]) -> None:
+    """The checkpoint must be this run's: its round's row in ``rounds.jsonl`` is the one it was
+    saved with. Checked before the config is compared with the checkpoint, so that a checkpoint
+    copied in from another run is named as the cause rather than this run's ``config.yaml``.
+    Checkpoints written before the digest existed are not checked."""
+    digest = state.get(ROW_DIGEST)
+    if digest is None:
+        return
+    done = state["round"]
+    row = [r for r in rows if r["round"] == done][-1]
+    if row_digest(row) != digest:
+        raise DamagedRunError(
+            run_dir / "checkpoint",
+            f"belongs to another run: its round {done} is not the round {done} that {run_dir / 'rounds.jsonl'} records "
+            "(copied in from another run?); put this run's checkpoint/ back, or resume the run it came from",
+        )
 
 
 def _ranges(numbers: Sequence[int]) -> str:

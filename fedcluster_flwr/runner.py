@@ -43,7 +43,15 @@ import yaml
 
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
 from .engine import Job, check_ray_address, encode_job
-from .results import DamagedRunError, RoundRow, atomic_write, branch_run, check_resumable, checkpoint_array_shape
+from .results import (
+    DamagedRunError,
+    RoundRow,
+    atomic_write,
+    branch_run,
+    check_resumable,
+    checkpoint_array_shape,
+    read_rounds,
+)
 from .schema import ConfigError, require
 
 
@@ -239,18 +247,51 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
     check_ray_address(config)
 
 
-def no_checkpoint_message(run_dir: Path) -> str:
-    """Why ``run_dir``, a run directory without a checkpoint, cannot be resumed, and what to do instead."""
+def no_checkpoint_error(run_dir: Path) -> ConfigError:
+    """Why ``run_dir``, a run directory without a checkpoint, cannot be resumed, and what to do
+    instead: either it stopped before its first checkpoint, or rounds.jsonl records rounds that
+    were checkpointed and the checkpoint has since been deleted or moved."""
     try:
         every = yaml.safe_load((run_dir / "config.yaml").read_text()).get("checkpoint_every")
     except (yaml.YAMLError, AttributeError):
         every = None
     when = "only at the end" if every == 0 else f"every {every} round(s)" if isinstance(every, int) else "as configured"
-    return (
+    restart = f"fedcluster run {run_dir / 'config.yaml'} --out NEW_DIR"
+    logged = _logged_rounds(run_dir)
+    if _checkpointed(every, logged, run_dir):
+        missing = run_dir / "checkpoint"
+        missing = missing / "state.json" if missing.is_dir() else missing
+        return DamagedRunError(
+            missing, f"is missing, although rounds.jsonl records rounds 1-{max(logged)} and the run checkpoints {when}: "
+            f"it was deleted or moved; put it back to resume, or start again with: {restart}"
+        )
+    return ConfigError(
+        "RUN_DIR",
         f"{run_dir} has no checkpoint/ to resume from: it stopped before its first checkpoint (it checkpoints "
-        f"{when}, see checkpoint_every in its config.yaml); start it again with: "
-        f"fedcluster run {run_dir / 'config.yaml'} --out NEW_DIR"
+        f"{when}, see checkpoint_every in its config.yaml); start it again with: {restart}",
     )
+
+
+def _logged_rounds(run_dir: Path) -> list[int]:
+    """The rounds ``rounds.jsonl`` records; none where it is missing or damaged (the missing
+    checkpoint is the error to report then, not the log)."""
+    try:
+        return [row["round"] for row in read_rounds(run_dir)]
+    except DamagedRunError:
+        return []
+
+
+def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
+    """Whether a run that checkpoints ``every`` rounds and logged ``logged`` must have written a
+    checkpoint: a round at a multiple of ``every`` was logged, or (``every`` 0) the run finished."""
+    if isinstance(every, bool) or not isinstance(every, int) or not logged:
+        return False
+    if every > 0:
+        return max(logged) >= every
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("finished") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -274,7 +315,7 @@ def plan_continuation(
     a branch of it there with ``overrides`` (``KEY=VALUE``) applied; changes nothing on disk."""
     run_dir = run_dir.resolve()
     if (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoint" / "state.json").is_file():
-        raise ConfigError("RUN_DIR", no_checkpoint_message(run_dir))
+        raise no_checkpoint_error(run_dir)
     state = check_resumable(run_dir)
     done = state["round"]
     parsed = [parse_override(item) for item in overrides]
@@ -286,7 +327,11 @@ def plan_continuation(
     require(rounds is None or rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")
     before, _ = load_config(run_dir / "config.yaml", [])
     check_checkpoint_fits(before, state, run_dir)
-    config, notes = load_config(run_dir / "config.yaml", parsed + ([("rounds", rounds)] if rounds else []))
+    # --rounds is checked against the checkpoint before the config takes it: a count the run has
+    # already done would otherwise surface as whichever option must fall within the rounds.
+    require(rounds is None or rounds > done, "--rounds",
+            f"{rounds} does not extend the run: its checkpoint is at round {done} (of {before.rounds}); pass --rounds N > {done}")
+    config, notes = _load_continued(run_dir / "config.yaml", parsed, rounds)
     check_branch(before, config, state)
     if config.rounds <= done:
         raise ConfigError(
@@ -303,6 +348,19 @@ def plan_continuation(
         notes=tuple(notes),
         extended=bool(rounds),
     )
+
+
+def _load_continued(path: Path, parsed: list[tuple[str, Any]], rounds: int | None) -> tuple[ExperimentConfig, list[str]]:
+    """The run's config with the overrides and the new round count. An option the new count
+    cannot hold (FL+HC's rounds_before_clustering must fall before the last round) is an error of
+    --rounds, the flag the user gave, with the option's own message as the reason."""
+    try:
+        return load_config(path, parsed + ([("rounds", rounds)] if rounds else []), strict=True)
+    except ConfigError as err:
+        if not rounds:
+            raise
+        load_config(path, parsed, strict=True)  # the overrides' own mistakes are theirs, not --rounds'
+        raise ConfigError("--rounds", f"{rounds} rounds are too few for this run: {err}") from None
 
 
 def continue_run(

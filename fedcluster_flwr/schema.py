@@ -26,7 +26,7 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, TypeVar, Union
 
@@ -58,9 +58,25 @@ def describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def closest_name(name: str, choices: Iterable[str]) -> str | None:
+    """The choice ``name`` most likely meant: one equal but for case (``MNIST``: ``mnist``), else
+    the closest spelling compared without case (``Minst``: ``mnist``), else None."""
+    by_folded = {choice.casefold(): choice for choice in choices}
+    folded = name.casefold()
+    if folded in by_folded:
+        return by_folded[folded]
+    hint = difflib.get_close_matches(folded, list(by_folded), n=1)
+    return by_folded[hint[0]] if hint else None
+
+
+def did_you_mean(name: Any, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for a misspelt name, or nothing."""
+    hint = closest_name(name, choices) if isinstance(name, str) else None
+    return f" (did you mean '{hint}'?)" if hint else ""
+
+
 def unknown_key_message(name: str, allowed: list[str], context: str = "") -> str:
-    hint = difflib.get_close_matches(name, allowed, n=1)
-    suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+    suggestion = did_you_mean(name, allowed)
     where = f" {context}" if context else ""
     return f"unknown key{where}{suggestion}; allowed keys: {', '.join(sorted(allowed))}"
 
@@ -299,7 +315,7 @@ class InRegistry:
             return f"'{value}' {self.retired[value]}"
         if isinstance(value, str) and value in self.registry:
             return None
-        return f"unknown {self.what} {describe(value)}; available: {', '.join(self.registry)}"
+        return f"unknown {self.what} {describe(value)}{did_you_mean(value, self.registry)}; available: {', '.join(self.registry)}"
 
 
 @dataclass(frozen=True)

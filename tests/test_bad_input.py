@@ -128,6 +128,28 @@ def write(relative: str, text: str) -> Callable[[Path], None]:
     return setup
 
 
+def checkpoint_of_another_run(tmp: Path) -> None:
+    """This run's checkpoint replaced by another run's (10 clients, other rows), each checkpoint
+    carrying the digest of its round's row as a run writes it."""
+    from fedcluster_flwr.results import ROW_DIGEST, row_digest
+
+    run, other = a_run(tmp), a_run(tmp / "other", clients=10)
+    for folder, seconds in ((run, 1.5), (other, 2.5)):
+        rows = [{"round": r, "seconds": seconds} for r in (1, 2, 3)]
+        (folder / "rounds.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        state = json.loads((folder / "checkpoint" / "state.json").read_text())
+        (folder / "checkpoint" / "state.json").write_text(json.dumps({**state, ROW_DIGEST: row_digest(rows[-1])}))
+    shutil.rmtree(run / "checkpoint")
+    shutil.copytree(other / "checkpoint", run / "checkpoint")
+
+
+def stopped_before_its_first_checkpoint(tmp: Path) -> None:
+    run = a_run(tmp)
+    shutil.rmtree(run / "checkpoint")
+    (run / "rounds.jsonl").write_text("")
+    (run / "summary.json").write_text(json.dumps({"finished": False, "completed_rounds": 0}))
+
+
 def used_out(tmp: Path) -> None:
     (tmp / "out").mkdir()
     (tmp / "out" / "rounds.jsonl").write_text("")
@@ -164,6 +186,19 @@ CASES = [
     Case("swap-foreign-value", "another strategy's value given to the swapped-in one",
          ("run", CONF, "--set", "strategy.name=oneshot_hfl", "--set", "strategy.threshold=20"), names="strategy.threshold"),
     Case("missing-config", "a config file that does not exist", ("run", "conf/defualt.yaml"), names="config"),
+    Case("config-folder", "a folder given as the config file", ("run", "conf"),
+         names="config: conf is a folder, not a config file: give a YAML file in it"),
+    Case("dataset-case", "a dataset name in capitals", ("run", CONF, "--set", "dataset.name=MNIST"),
+         names="dataset.name: unknown dataset 'MNIST' (did you mean 'mnist'?)"),
+    Case("strategy-case", "a strategy name in capitals", ("run", CONF, "--set", "strategy.name=FLHC"),
+         names="strategy.name: unknown strategy 'FLHC' (did you mean 'flhc'?)"),
+    Case("model-case", "a model name in other case", ("run", CONF, "--set", "model.name=MLP_Digits"),
+         names="model.name: unknown model 'MLP_Digits' (did you mean 'mlp_digits'?)"),
+    Case("partition-case", "a partition name in other case", ("run", CONF, "--set", "partition.name=Label_Swap"),
+         names="partition.name: unknown partition 'Label_Swap' (did you mean 'label_swap'?)"),
+    Case("set-other-strategy-option", "`--set` an option of another strategy",
+         ("run", "conf/mnist_iid_fedavg.yaml", "--set", "strategy.threshold=3"),
+         names="strategy.threshold: not an option of strategy 'fedavg' (it is one of flhc, "),
     Case("garbled-config", "a config file that is not YAML", ("run", "{tmp}/bad.yaml"), setup=write("bad.yaml", "rounds: [3\n"),
          names="{tmp}/bad.yaml"),
     Case("config-not-mapping", "a config file holding a list", ("run", "{tmp}/list.yaml"), setup=write("list.yaml", "- 3\n"),
@@ -210,8 +245,19 @@ CASES = [
     Case("torn-checkpoint", "checkpoint files of different rounds", ("resume", "{tmp}/run"),
          setup=damaged_run(lambda run: np.savez(run / "checkpoint" / "models.npz", a0=np.zeros(20), round=np.asarray(2))),
          names="{tmp}/run/checkpoint/models.npz"),
-    Case("no-checkpoint", "a run without a checkpoint", ("resume", "{tmp}/run"),
-         setup=damaged_run(lambda run: shutil.rmtree(run / "checkpoint")), names="{tmp}/run/config.yaml --out NEW_DIR"),
+    Case("no-checkpoint", "a run stopped before its first checkpoint", ("resume", "{tmp}/run"),
+         setup=stopped_before_its_first_checkpoint, names="{tmp}/run/config.yaml --out NEW_DIR"),
+    Case("checkpoint-deleted", "a deleted checkpoint/ of a run that checkpointed", ("resume", "{tmp}/run"),
+         setup=damaged_run(lambda run: shutil.rmtree(run / "checkpoint")),
+         names="{tmp}/run/checkpoint: is missing, although rounds.jsonl records rounds 1-3"),
+    Case("checkpoint-of-another-run", "a checkpoint/ copied in from another run", ("resume", "{tmp}/run"),
+         setup=checkpoint_of_another_run, names="{tmp}/run/checkpoint: belongs to another run"),
+    Case("resume-a-file", "a file given as the run folder", ("resume", "{tmp}/run/config.yaml"), setup=a_run,
+         names="{tmp}/run/config.yaml: is a file, not a run directory: resume the run that holds it: fedcluster resume {tmp}/run"),
+    Case("resume-rounds-done", "`--rounds` no more than the checkpoint's round", ("resume", "{tmp}/run", "--rounds", "3"),
+         setup=a_run, names="--rounds: 3 does not extend the run: its checkpoint is at round 3"),
+    Case("resume-rounds-too-few", "`--rounds` too few for an option of the run", ("resume", "{tmp}/run", "--rounds", "4"),
+         setup=a_run, names="--rounds: 4 rounds are too few for this run: strategy.rounds_before_clustering"),
     Case("rounds-deleted", "a deleted rounds.jsonl", ("resume", "{tmp}/run"),
          setup=damaged_run(lambda run: (run / "rounds.jsonl").unlink()), names="{tmp}/run/rounds.jsonl"),
     Case("rounds-short", "a rounds.jsonl missing rounds", ("resume", "{tmp}/run"),
@@ -236,6 +282,9 @@ CASES = [
          names="--strategies"),
     Case("compare-twice", "a strategy compared with itself", ("compare", CONF, "--strategies", "fedavg,flhc,fedavg"),
          names="--strategies"),
+    Case("compare-option-of-none", "`--set` an option none of the compared strategies has",
+         ("compare", CONF, "--strategies", "fedavg,local", "--set", "strategy.threshold=3"),
+         names="strategy.threshold: not an option of any compared strategy (fedavg, local; it is one of flhc, "),
     Case("plot-damaged", "plotting a run whose rounds.jsonl is garbled", ("plot", "{tmp}/run", "--out", "{tmp}/c.png"),
          setup=damaged_run(lambda run: (run / "rounds.jsonl").write_text("{\n{}\n")), names="{tmp}/run/rounds.jsonl"),
     # -- flwr run --run-config, SuperNode --node-config

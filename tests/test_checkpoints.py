@@ -60,3 +60,27 @@ def test_a_checkpoint_of_the_old_format_is_refused_with_the_reason(tmp_path):
     np.savez(folder / "models.npz", round=np.asarray(3))
     with pytest.raises(ValueError, match="checkpoint format 1; this version reads format 2"):
         load_checkpoint(Path(tmp_path))
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_result_files_get_the_mode_the_umask_gives_not_mkstemps_0600(tmp_path, umask, mode):
+    import os
+    import stat
+
+    from fedcluster_flwr.results import RunRecorder, atomic_write
+
+    previous = os.umask(umask)
+    try:
+        recorder = RunRecorder(tmp_path / "run")
+        recorder.start({"seed": 0})
+        recorder.log_round({"round": 1})
+        recorder.save_checkpoint({"round": 1, "strategy": {"assignment": np.zeros(3)}, "log": {}})
+        recorder.write_artifacts({"linkage.npy": np.zeros((2, 4))})
+        atomic_write(tmp_path / "run" / "comparison.md", "| x |\n")
+    finally:
+        os.umask(previous)
+    written = sorted(p for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert {p.relative_to(tmp_path / "run").as_posix() for p in written} >= {
+        "config.yaml", "rounds.jsonl", "summary.json", "checkpoint/state.json", "checkpoint/models.npz",
+        "linkage.npy", "comparison.md"}
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written} == {p.name: oct(mode) for p in written}

@@ -5,6 +5,7 @@ the runs end to end in test_simulation.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -116,3 +117,110 @@ def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, cap
     assert "--rounds: the checkpoint is at round 30 of 30; pass --rounds N > 30" in capsys.readouterr().err
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "rounds=30"]) == 2
     assert "error: rounds: the checkpoint is at round 30 of 30" in capsys.readouterr().err
+
+
+def test_fewer_clients_than_groups_runs_with_a_warning_line(tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: ran.append(config) or {})
+    monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
+    assert cli.main(["run", str(DEFAULT_CONFIG), "--set", "partition.num_clients=3", "--out", str(tmp_path / "x")]) == 0
+    assert [c.partition.num_clients for c in ran] == [3]
+    err = capsys.readouterr().err
+    assert "warning: partition.num_clients (3) is below the 4 groups of partition.num_groups" in err
+    assert "error" not in err
+
+
+TINY = ["--set", "rounds=3", "--set", "partition.num_clients=6", "--set", "partition.num_groups=2",
+        "--set", "client.epochs=1", "--set", "seed=1"]
+
+
+def in_process_runs(monkeypatch, stop_in=None):
+    """``runner.run_experiment`` as the in-process driver (real rounds, files and checkpoints, no
+    Ray); with ``stop_in``, the run of that strategy stops after round 1 as a Ctrl-C there would."""
+    import signal
+
+    from fedcluster_flwr.inprocess import run_in_process
+
+    calls = []
+
+    def run(config, run_dir, *, resume_from=0, stop_after=None, **kwargs):
+        calls.append((config.strategy.name, resume_from))
+        if config.strategy.name == stop_in:
+            run_in_process(config, run_dir, resume=resume_from > 0, stop_after=1)
+            raise runner.Interrupted(signal.SIGINT, run_dir)
+        run_in_process(config, run_dir, resume=resume_from > 0, stop_after=stop_after)
+        return json.loads((run_dir / "summary.json").read_text())
+
+    monkeypatch.setattr(runner, "run_experiment", run)
+    return calls
+
+
+def test_an_interrupted_compare_is_completed_by_running_it_again(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    args = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local,oracle", "--out", str(out), "--no-progress"]
+    calls = in_process_runs(monkeypatch, stop_in="local")
+    assert cli.main(args) == 130
+    assert calls == [("fedavg", 0), ("local", 0)]
+    assert f"run it again with --out {out}" in capsys.readouterr().err
+    assert json.loads((out / "fedavg" / "summary.json").read_text())["finished"] is True
+    assert json.loads((out / "local" / "summary.json").read_text())["completed_rounds"] == 1
+    assert not (out / "oracle").exists() and not (out / "comparison.md").exists()
+    fedavg_rows = (out / "fedavg" / "rounds.jsonl").read_text()
+
+    calls = in_process_runs(monkeypatch)
+    assert cli.main(args) == 0
+    assert calls == [("local", 1), ("oracle", 0)]  # fedavg kept, local resumed from its round-1 checkpoint
+    assert (out / "fedavg" / "rounds.jsonl").read_text() == fedavg_rows
+    for name in ("local", "oracle"):
+        rows = [json.loads(line) for line in (out / name / "rounds.jsonl").read_text().splitlines()]
+        assert [row["round"] for row in rows] == [1, 2, 3]
+    table = (out / "comparison.md").read_text()
+    assert all(f"| {name} |" in table for name in ("fedavg", "local", "oracle"))
+    assert (out / "comparison.png").stat().st_size > 0
+    assert runner.plan_continuation(out / "local", rounds=5).completed_round == 3  # a resumed run's checkpoint is its own
+
+    calls = in_process_runs(monkeypatch)  # once complete, a rerun runs nothing and writes the same table
+    assert cli.main(args) == 0 and calls == []
+    assert (out / "comparison.md").read_text() == table
+
+
+def test_a_compare_rerun_with_other_options_refuses_the_earlier_results(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    in_process_runs(monkeypatch, stop_in="local")
+    base = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local", "--out", str(out), "--no-progress"]
+    assert cli.main(base) == 130
+    calls = in_process_runs(monkeypatch)
+    assert cli.main([*base, "--set", "client.lr=0.01"]) == 2
+    assert f"--out: {out / 'fedavg'} holds a run whose client.lr differs from this comparison's" in capsys.readouterr().err
+    assert calls == []
+
+
+def test_a_checkpoint_copied_in_from_another_run_is_named_not_the_config(tmp_path):
+    """Real checkpoints (written by the in-process driver) carry their round's row digest."""
+    from fedcluster_flwr.inprocess import run_in_process
+    from fedcluster_flwr.config import load_config, parse_override
+    from fedcluster_flwr.schema import ConfigError
+
+    def tiny(*extra):
+        return load_config(DEFAULT_CONFIG, [parse_override(o) for o in TINY[1::2] + list(extra)])[0]
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    run_in_process(tiny("strategy.name=fedavg"), mine, stop_after=1)
+    run_in_process(tiny("strategy.name=local", "partition.num_clients=4"), other, stop_after=1)
+    assert runner.plan_continuation(mine).completed_round == 1  # its own checkpoint belongs to it
+    shutil.rmtree(mine / "checkpoint")
+    shutil.copytree(other / "checkpoint", mine / "checkpoint")
+    with pytest.raises(ConfigError, match=f"^{mine / 'checkpoint'}: belongs to another run"):
+        runner.plan_continuation(mine)
+
+
+def test_version_is_the_one_pyproject_declares(capsys):
+    import tomllib
+
+    from conftest import ROOT
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fedcluster {declared}"

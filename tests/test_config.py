@@ -311,3 +311,61 @@ def test_options_given_with_the_swap_are_kept_and_validated():
         load("strategy.name=oneshot_hfl", "strategy.threshold=20")
     config, _ = load("strategy.name=oneshot_hfl", "strategy.num_clusters=4")
     assert config.strategy.options.num_clusters == 4 and config.strategy.options.linkage == "average"  # not FL+HC's complete
+
+
+def test_an_option_of_another_strategy_is_an_error_with_set_but_a_note_in_the_yaml(tmp_path):
+    """Typed for this run, a foreign option is a mistake; in a file shared between strategies it is not."""
+    fedavg = ROOT / "conf" / "mnist_iid_fedavg.yaml"
+    for override in (("strategy.threshold", 3), ("strategy", {"name": "fedavg", "threshold": 3})):
+        with pytest.raises(ConfigError, match=r"^strategy\.threshold: not an option of strategy 'fedavg' \(it is one of flhc"):
+            load_config(fedavg, [override], strict=True)
+    raw = read_yaml(fedavg)
+    raw["strategy"]["threshold"] = 3
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config, notes = load_config(path)
+    assert config.strategy.name == "fedavg" and notes == ["strategy.threshold ignored: not an option of strategy 'fedavg'"]
+    _, notes = load_config(fedavg, [("strategy.threshold", 3)])  # not strict: overrides shared by strategies (compare)
+    assert notes == ["strategy.threshold ignored: not an option of strategy 'fedavg'"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "groups"),
+    [
+        (("partition.num_clients=3",), "num_groups", 4),
+        (("partition.name=rotation", "partition.num_clients=2", "strategy.name=fedavg"), "angles", 4),
+        (("partition.name=label_groups", "partition.num_clients=1", "strategy.name=fedavg"), "groups", 2),
+        (("partition.name=class_subsets", "partition.num_clients=3", "strategy.name=fedavg"), "subsets", 4),
+    ],
+)
+def test_fewer_clients_than_the_partitions_groups_is_a_warning_not_an_error(overrides, key, groups):
+    from fedcluster_flwr.config import ConfigWarning
+
+    config, notes = load(*overrides)
+    clients = config.partition.num_clients
+    warnings = [n for n in notes if isinstance(n, ConfigWarning)]
+    assert warnings == [f"partition.num_clients ({clients}) is below the {groups} groups of partition.{key}: "
+                        f"{groups - clients} group(s) get no client; set partition.num_clients to at least {groups} "
+                        "to have them all"]
+    _, notes = load(*[o for o in overrides if not o.startswith("partition.num_clients")], f"partition.num_clients={groups}")
+    assert not [n for n in notes if isinstance(n, ConfigWarning)]
+
+
+def test_a_name_in_another_case_or_misspelt_gets_a_did_you_mean():
+    from fedcluster_flwr.schema import closest_name
+
+    choices = ["digits", "mnist", "fashion_mnist", "cifar10"]
+    assert closest_name("MNIST", choices) == "mnist"
+    assert closest_name("Cifar10", choices) == "cifar10"
+    assert closest_name("minst", choices) == "mnist"
+    assert closest_name("svhn", choices) is None
+    with pytest.raises(ConfigError, match=r"^strategy\.name: unknown strategy 'FedAvg' \(did you mean 'fedavg'\?\)"):
+        load("strategy.name=FedAvg")
+
+
+def test_a_folder_given_as_the_config_file_is_named_as_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^config: {tmp_path} is a folder, not a config file: give a YAML file$"):
+        load_config(tmp_path)
+    (tmp_path / "mine.yaml").write_text("rounds: 3\n")
+    with pytest.raises(ConfigError, match=rf"give a YAML file in it, e.g. {tmp_path / 'mine.yaml'}$"):
+        load_config(tmp_path)

@@ -102,3 +102,58 @@ def test_fab_carries_the_configs(tmp_path):
     assert "conf/default.yaml" in names
     assert "fedcluster_flwr/server_app.py" in names and "fedcluster_flwr/client_app.py" in names
     assert not any(name.startswith((".venv/", "outputs/", "benchmarks/", "tests/")) for name in names)
+
+
+def test_fab_is_format_1_with_the_license_and_the_package(tmp_path):
+    """Flower checks format 1's metadata (licence file, target version within the flwr pin) when it
+    builds; the FAB then carries LICENSE next to the package."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    app = project["tool"]["flwr"]["app"]
+    assert app["fab-format-version"] == 1 and project["project"]["license"] == {"file": "LICENSE"}
+    assert "LICENSE" in app["fab-include"]
+    assert (ROOT / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    flwr = Path(sys.executable).with_name("flwr")
+    result = subprocess.run([str(flwr), "build", "--app", str(ROOT)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (fab,) = tmp_path.glob("*.fab")
+    with zipfile.ZipFile(fab) as bundle:
+        names = set(bundle.namelist())
+        assert bundle.read("LICENSE") == (ROOT / "LICENSE").read_bytes()
+    assert {"fedcluster_flwr/__init__.py", "fedcluster_flwr/cli.py", "conf/default.yaml"} <= names
+
+
+def test_flwr_refuses_format_1_without_the_license_file_so_format_1_is_what_applies(tmp_path):
+    """Without format 1 Flower would silently apply format 0 (FLOWER_NOTES): an app whose licence is
+    inline text must be refused, or the checks above prove nothing."""
+    app = tmp_path / "app"
+    app.mkdir()
+    text = (ROOT / "pyproject.toml").read_text().replace('license = { file = "LICENSE" }', 'license = { text = "Apache-2.0" }')
+    assert text != (ROOT / "pyproject.toml").read_text()
+    (app / "pyproject.toml").write_text(text)
+    (app / "LICENSE").write_text((ROOT / "LICENSE").read_text())
+    for folder in ("fedcluster_flwr", "conf"):
+        (app / folder).symlink_to(ROOT / folder)
+    flwr = Path(sys.executable).with_name("flwr")
+    result = subprocess.run([str(flwr), "build", "--app", str(app)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "fab-format-version = 1 requires [project].license" in result.stdout + result.stderr
+
+
+def test_a_wheel_builds_and_passes_twine_check(tmp_path):
+    """The wheel PyPI would get: built as pip builds it (an isolated environment, its backend
+    from PyPI), with LICENSE in its metadata, and metadata twine accepts. About 3 s, so not slow."""
+    pytest.importorskip("build", reason="the test extra installs build: pip install -e '.[test]'")
+    pytest.importorskip("twine", reason="the test extra installs twine: pip install -e '.[test]'")
+    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path), str(ROOT)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("fedcluster_flwr-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert "fedcluster_flwr/cli.py" in names and not any(n.startswith("tests/") for n in names)
+    checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel)],
+                             capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0 and "PASSED" in checked.stdout, checked.stdout + checked.stderr

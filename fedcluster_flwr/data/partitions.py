@@ -83,6 +83,9 @@ class LabelSwapOptions:
         a, b = self.swaps[k] if self.swaps is not None else (2 * k, 2 * k + 1)
         return f"swap {a}↔{b}"
 
+    def group_count(self) -> tuple[str, int]:
+        return "num_groups", self.num_groups
+
 
 @dataclass(frozen=True)
 class RotationOptions:
@@ -97,6 +100,9 @@ class RotationOptions:
 
     def cluster_name(self, k: int) -> str:
         return f"{self.angles[k]:g}°"
+
+    def group_count(self) -> tuple[str, int]:
+        return "angles", len(self.angles)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,9 @@ class LabelGroupsOptions:
 
     def cluster_name(self, k: int) -> str:
         return "labels " + ",".join(map(str, self.groups[k]))
+
+    def group_count(self) -> tuple[str, int]:
+        return "groups", len(self.groups)
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,9 @@ class ClassSubsetsOptions:
 
     def cluster_name(self, k: int) -> str:
         return "classes " + ",".join(map(str, self.subsets[k]))
+
+    def group_count(self) -> tuple[str, int]:
+        return "subsets", len(self.subsets)
 
 
 @dataclass(frozen=True)
@@ -534,6 +546,13 @@ def make_partition(
         transforms=tuple(transforms),
         val_indices=tuple(val),
     )
+
+
+def group_count(options: Any) -> tuple[str, int] | None:
+    """The option that sets a partitioner's true clusters (``num_groups``, ``angles``, ...) and how
+    many it sets; None for a partitioner without fixed groups (iid, dirichlet, ...)."""
+    count = getattr(options, "group_count", None)
+    return count() if callable(count) else None
 
 
 def cluster_names(options: Any, num_clusters: int) -> tuple[str, ...]:
