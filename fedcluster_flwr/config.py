@@ -113,7 +113,7 @@ class SimulationConfig:
     # batched: inprocess, with the torch work of a round's clients executed together (stacked).
     engine: Literal["ray", "inprocess", "batched"] = "ray"
     # batched: memory the stacked clients may take, in GB; null: half the memory free at the start
-    # (on the GPU for client.device cuda, else in RAM).
+    # (on the GPU for client.device cuda, else in RAM, at most 4 GB there).
     batched_memory_gb: float | None = option(None, above(0))
     num_cpus_per_client: float = option(1.0, above(0))
     num_gpus_per_client: float = option(0.0, at_least(0))

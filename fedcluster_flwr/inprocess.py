@@ -29,6 +29,7 @@ from .config import ExperimentConfig
 from .engines.batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
 from .experiment import client_device, make_client, server_components
 from .numerics import torch_threads
+from .protocol import TASK_KEY
 from .results import RoundRow
 from .strategies import StrategySetup
 
@@ -73,7 +74,8 @@ def _call_all(instructions, method: str, rendezvous: Rendezvous | None = None) -
             except Exception as err:  # noqa: BLE001 - a raising client is a failure, as in Flower
                 outcomes.append((False, err))
     else:
-        outcomes = rendezvous.run_all(calls)
+        tasks = sorted({str(ins.config.get(TASK_KEY, method)) for _, ins in ordered})
+        outcomes = rendezvous.run_all(calls, task=",".join(tasks))
     results, failures = [], []
     for (proxy, _), (ok, value) in zip(ordered, outcomes):
         if not ok:

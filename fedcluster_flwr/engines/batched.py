@@ -15,7 +15,7 @@ gives the same run every time on the same machine.
 Where stacking does not pay (:data:`CPU_UNSTACKED_MODELS`, measured in benchmarks/engines) or a
 model holds buffers, those clients run one after another, and the run says so once. The client
 axis is cut into chunks that fit ``simulation.batched_memory_gb`` (default: half the memory free
-when the engine starts, on the GPU or in RAM).
+when the engine starts, on the GPU or in RAM, at most 4 GB of RAM).
 """
 
 from __future__ import annotations
@@ -78,12 +78,16 @@ class Rendezvous:
         self._condition = threading.Condition()
         self._running = 0
         self._parked: list[Request] = []
+        self._requests = 0
+        self._unbatched_said: set[str] = set()
 
-    def run_all(self, calls: Sequence[Callable[[], Any]]) -> list[tuple[bool, Any]]:
-        """``(True, value)`` or ``(False, exception)`` for each call, in order."""
+    def run_all(self, calls: Sequence[Callable[[], Any]], task: str = "") -> list[tuple[bool, Any]]:
+        """``(True, value)`` or ``(False, exception)`` for each call, in order. ``task`` names what
+        the calls do: a task none of whose calls asked for batched work is named once in the log."""
         outcomes: list[tuple[bool, Any]] = [(False, RuntimeError("not run"))] * len(calls)
         with self._condition:
             self._running = len(calls)
+            self._requests = 0
 
         def body(i: int, call: Callable[[], Any]) -> None:
             try:
@@ -100,10 +104,14 @@ class Rendezvous:
             thread.start()
         for thread in threads:
             thread.join()
+        if calls and not self._requests and task not in self._unbatched_said:
+            self._unbatched_said.add(task)
+            log.warning("batched engine: task %s has no work this engine stacks; its clients run one at a time", task)
         return outcomes
 
     def submit(self, request: Request) -> Any:
         with self._condition:
+            self._requests += 1
             self._parked.append(request)
             self._running -= 1
             self._execute_if_all_wait()
@@ -216,8 +224,12 @@ class BatchedCompute:
         return self.rendezvous.submit(Request("evaluate", self.pid, model, x, y, device))
 
 
+CPU_MEMORY_CAP = 4 * 1024**3  # on a CPU, larger stacks gain nothing measurable and crowd the machine
+
+
 def default_memory_bytes(device: torch.device) -> int:
-    """Half the memory free now: on the GPU for a CUDA device, else in RAM (``MemAvailable``)."""
+    """Half the memory free now: on the GPU for a CUDA device, else in RAM (``MemAvailable``, at
+    most :data:`CPU_MEMORY_CAP`)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free // 2
@@ -225,10 +237,10 @@ def default_memory_bytes(device: torch.device) -> int:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 2
+                    return min(int(line.split()[1]) * 1024 // 2, CPU_MEMORY_CAP)
     except OSError:
         pass
-    return 2 * 1024**3
+    return CPU_MEMORY_CAP // 2
 
 
 def cpu_threads() -> int:

@@ -1,0 +1,134 @@
+"""Round time of the shipped confs on the three engines, and the per-model measurement behind the
+batched engine's CPU rule (benchmarks/engines/README.md).
+
+    python benchmarks/engines/run.py models                  # stacked vs one client at a time, per model
+    python benchmarks/engines/run.py rounds --confs default,dac_fmnist_rot4 --engines inprocess,batched \
+        --rounds 2                                            # seconds per round from each run's rounds.jsonl
+
+``models``: for every registered model on 28x28 (or 8x8 for the digits models) random inputs, K
+clients x one epoch at the confs' batch sizes, timed alternately one client after another
+(training.train) and stacked (engines.stacked.train_stacked) in this process with the torch
+threads the batched engine uses; the ratio is per pair. ``rounds``: each (conf, engine) is a fresh
+``fedcluster run`` (the engine in its own process, as a user runs it); the table gives the median
+seconds of the rounds after the first (round 1 holds start-up and, for DAC, pre-training) and the
+whole run's wall time. Results go to benchmarks/engines/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(ROOT))
+
+from fedcluster_flwr.engines.batched import cpu_threads  # noqa: E402
+from fedcluster_flwr.engines.stacked import ClientBatchData, train_stacked  # noqa: E402
+from fedcluster_flwr.models import MODELS, build_model  # noqa: E402
+from fedcluster_flwr.training import TrainSettings, train  # noqa: E402
+
+# model -> (input shape, batch size of the conf that uses it, optimizer)
+MODEL_SETTINGS = {
+    "cnn_briggs": ((1, 28, 28), 10, "sgd"),
+    "cnn_zec_fmnist": ((1, 28, 28), 8, "adam"),
+    "mlp_lin": ((1, 28, 28), 50, "sgd"),
+    "cnn_lin": ((1, 28, 28), 50, "sgd"),
+    "mlp_fmnist": ((1, 28, 28), 32, "sgd"),
+    "mlp3": ((1, 28, 28), 10, "sgd"),
+    "cnn_32_64_fc128": ((1, 28, 28), 10, "sgd"),
+    "mlp_digits": ((1, 8, 8), 16, "sgd"),
+    "cnn_digits": ((1, 8, 8), 16, "sgd"),
+    "lenet_zec_cifar": ((3, 32, 32), 8, "adam"),
+    "lenet_cifar": ((3, 32, 32), 32, "sgd"),
+}
+
+
+def time_models(clients: int, samples: int, repeat: int) -> list[dict]:
+    torch.set_num_threads(cpu_threads())
+    rows = []
+    for name in MODELS:
+        if name not in MODEL_SETTINGS:
+            continue
+        shape, batch, optimizer = MODEL_SETTINGS[name]
+        settings = TrainSettings(1, batch, 0.01, optimizer, 0.0, 0.0)
+        data = [ClientBatchData(torch.randn(samples, *shape), torch.randint(0, 10, (samples,))) for _ in range(clients)]
+        pairs = []
+        for _ in range(repeat):
+            models = [build_model(name, shape, 10) for _ in range(clients)]
+            started = time.perf_counter()
+            for k, (model, d) in enumerate(zip(models, data)):
+                train(model, d.x, d.y, settings, torch.Generator().manual_seed(k), torch.device("cpu"))
+            alone = time.perf_counter() - started
+            started = time.perf_counter()
+            train_stacked(models, data, settings, [torch.Generator().manual_seed(k) for k in range(clients)], torch.device("cpu"))
+            pairs.append((alone, time.perf_counter() - started))
+        steps = clients * -(-samples // batch)
+        row = {
+            "model": name, "batch": batch, "optimizer": optimizer, "clients": clients, "threads": torch.get_num_threads(),
+            "alone_ms_per_client_step": 1e3 * statistics.median(a for a, _ in pairs) / steps,
+            "stacked_ms_per_client_step": 1e3 * statistics.median(b for _, b in pairs) / steps,
+            "stacked_over_alone": statistics.median(b / a for a, b in pairs),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[str]) -> list[dict]:
+    rows = []
+    for conf in confs:
+        for engine in engines:
+            with tempfile.TemporaryDirectory() as folder:
+                out = Path(folder) / "run"
+                command = [sys.executable, "-m", "fedcluster_flwr.cli", "run", str(ROOT / "conf" / f"{conf}.yaml"),
+                           "--out", str(out), "--set", f"simulation.engine={engine}", "--set", f"rounds={rounds}",
+                           *[item for setting in extra for item in ("--set", setting)]]
+                started = time.perf_counter()
+                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+                wall = time.perf_counter() - started
+                if done.returncode != 0:
+                    raise SystemExit(f"{conf} on {engine} failed:\n{done.stderr[-2000:]}")
+                seconds = [json.loads(line)["seconds"] for line in (out / "rounds.jsonl").read_text().splitlines()]
+            row = {"conf": conf, "engine": engine, "rounds": rounds, "round_seconds": seconds,
+                   "median_after_first": statistics.median(seconds[1:]) if len(seconds) > 1 else None,
+                   "wall_seconds": wall, "load": os.getloadavg()[0]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    models = sub.add_parser("models")
+    models.add_argument("--clients", type=int, default=20)
+    models.add_argument("--samples", type=int, default=80)
+    models.add_argument("--repeat", type=int, default=3)
+    rounds = sub.add_parser("rounds")
+    rounds.add_argument("--confs", default="default,lin_mnist_mlp,flhc_mnist_label_swap,dac_fmnist_rot4")
+    rounds.add_argument("--engines", default="ray,inprocess,batched")
+    rounds.add_argument("--rounds", type=int, default=3)
+    rounds.add_argument("--set", action="append", default=[], help="an override for every run")
+    rounds.add_argument("--tag", default="rounds")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.what == "models":
+        rows, name = time_models(args.clients, args.samples, args.repeat), "models"
+    else:
+        rows, name = time_rounds(args.confs.split(","), args.engines.split(","), args.rounds, args.set), args.tag
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {RESULTS / f'{name}.json'}")
+
+
+if __name__ == "__main__":
+    main()
