@@ -5,6 +5,7 @@ The scripts run as ``python benchmarks/<name>/run.py``; they put this folder on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -25,14 +26,20 @@ def finished_summary(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def run_or_reuse(config: ExperimentConfig, run_dir: Path, engine: str = "ray") -> dict[str, Any]:
-    """The summary of ``config`` run into ``run_dir`` through Flower's Ray engine (``engine``
-    "ray") or the in-process driver ("inprocess": one process, one torch thread, the same rounds
-    bit for bit); a run that finished there earlier is reused (delete the folder to run it again)."""
+ENGINES = ("ray", "inprocess", "batched")  # the choices of every benchmark's --engine (README "Engines")
+
+
+def run_or_reuse(config: ExperimentConfig, run_dir: Path, engine: str | None = None) -> dict[str, Any]:
+    """The summary of ``config`` run into ``run_dir`` on ``engine`` (default: the config's
+    ``simulation.engine``): Flower's Ray engine ("ray"), the in-process driver ("inprocess": one
+    process, one torch thread, the same rounds bit for bit) or its batched form ("batched"); a run
+    that finished there earlier is reused (delete the folder to run it again)."""
     if (summary := finished_summary(run_dir)) is not None:
         return summary
+    engine = engine or config.simulation.engine
+    config = dataclasses.replace(config, simulation=dataclasses.replace(config.simulation, engine=engine))
     started = time.perf_counter()
-    if engine == "inprocess":
+    if engine != "ray":
         run_in_process(config, run_dir)
         summary = finished_summary(run_dir)
     else:

@@ -294,6 +294,11 @@ def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
         return False
 
 
+# Keys a resume may change in place: they choose how a round's clients execute (a checkpoint moves
+# between engines), not what the rounds compute.
+EXECUTION_KEYS = ("simulation.engine", "simulation.batched_memory_gb")
+
+
 @dataclass(frozen=True)
 class Continuation:
     """A checked resume or branch of a run, ready for :func:`continue_run`."""
@@ -305,7 +310,7 @@ class Continuation:
     completed_round: int  # the checkpoint's
     overrides: tuple[str, ...]  # as given (KEY=VALUE), recorded in a branch's branch.json
     notes: tuple[str, ...]  # the config's notes on ignored keys, for the caller to show
-    extended: bool  # given a round count: a resume rewrites its config.yaml with it
+    extended: bool  # given a round count or an engine: a resume rewrites its config.yaml with it
 
 
 def plan_continuation(
@@ -320,9 +325,11 @@ def plan_continuation(
     done = state["round"]
     parsed = [parse_override(item) for item in overrides]
     require(
-        not parsed or out is not None,
+        out is not None or all(key in EXECUTION_KEYS for key, _ in parsed),
         "--set",
-        "changed options need --out NEW_DIR: RUN_DIR keeps the run as it ran and the changed continuation is a branch of it",
+        "changed options need --out NEW_DIR: RUN_DIR keeps the run as it ran and the changed continuation is a branch "
+        f"of it (only {', '.join(EXECUTION_KEYS)}, which change how the rounds execute, not what they compute, "
+        "may change in place)",
     )
     require(rounds is None or rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")
     before, _ = load_config(run_dir / "config.yaml", [])
@@ -346,7 +353,7 @@ def plan_continuation(
         completed_round=done,
         overrides=tuple(overrides),
         notes=tuple(notes),
-        extended=bool(rounds),
+        extended=bool(rounds) or (out is None and bool(parsed)),
     )
 
 

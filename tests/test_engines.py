@@ -6,12 +6,15 @@ rendezvous of client threads; a checkpoint moving between engines; ``fedcluster 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config import load_config, parse_override
@@ -155,3 +158,24 @@ def test_engine_settings_that_cannot_work_name_their_key(overrides, key):
     with pytest.raises(ConfigError) as error:
         load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
     assert str(error.value).startswith(key), str(error.value)
+
+
+def fedcluster(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedcluster_flwr.cli", *args, "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_fedcluster_runs_on_one_engine_and_resumes_in_place_on_another(tmp_path):
+    run_dir = tmp_path / "run"
+    started = fedcluster("run", str(DEFAULT_CONFIG), "--out", str(run_dir), "--stop-after", "2",
+                         "--set", "rounds=4", "--set", "simulation.engine=inprocess")
+    assert started.returncode == 0, started.stderr
+    resumed = fedcluster("resume", str(run_dir), "--set", "simulation.engine=batched")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "mean client accuracy" in resumed.stdout  # fedcluster run's summary
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] is True
+    assert [json.loads(line)["round"] for line in (run_dir / "rounds.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["simulation"]["engine"] == "batched"
+    refused = fedcluster("resume", str(run_dir), "--rounds", "5", "--set", "client.lr=0.1")
+    assert refused.returncode != 0 and "only simulation.engine" in refused.stderr

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import mean_std, run_or_reuse  # noqa: E402
+from common import ENGINES, mean_std, run_or_reuse  # noqa: E402
 
 from fedcluster_flwr.config import load_config  # noqa: E402
 from fedcluster_flwr.results import read_rounds  # noqa: E402
@@ -51,7 +51,7 @@ def rounds_to_purity_one(rows: list[dict]) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    parser.add_argument("--engine", choices=("inprocess", "ray"), default="inprocess")
+    parser.add_argument("--engine", choices=ENGINES, default="inprocess")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cfl" / "results")
     args = parser.parse_args()

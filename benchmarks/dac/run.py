@@ -8,6 +8,7 @@ variants this project adds (no pretraining, the reference code's two-hop estimat
     python benchmarks/dac/run.py --scale full                           # the paper's setting (use a GPU)
     python benchmarks/dac/run.py --scale full --methods dac --seeds 0 --rounds 3   # time a few rounds
     python benchmarks/dac/run.py --scale full --set simulation.num_gpus_per_client=0.0625   # 16 clients per GPU
+    python benchmarks/dac/run.py --scale full --set simulation.engine=batched   # a round's clients stacked
 
 Needs Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Table 2's methods (the default ``--methods``):
 ``dac``, ``dac_var``, ``dac_minus`` (DAC without the two-hop estimates, the paper's "DAC −"),

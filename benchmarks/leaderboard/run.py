@@ -53,7 +53,7 @@ from fedcluster_flwr.results import read_rounds
 from fedcluster_flwr.strategies import STRATEGIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import finished_summary, mean_std, run_or_reuse  # noqa: E402
+from common import ENGINES, finished_summary, mean_std, run_or_reuse  # noqa: E402
 
 NUM_CLUSTERS = 4  # given to every method that takes a number of clusters (see the module docstring)
 
@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
     parser.add_argument("--shifts", default=",".join(SHIFTS), help=f"of {', '.join(SHIFTS)}")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--engine", choices=("inprocess", "ray"), default="inprocess")
+    parser.add_argument("--engine", choices=ENGINES, default="inprocess")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a further override for every cell, e.g. simulation.num_gpus_per_client=0.0625")

@@ -37,7 +37,7 @@ from fedcluster_flwr.config import load_config
 from fedcluster_flwr.results import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import mean_std, run_or_reuse, value_at  # noqa: E402
+from common import ENGINES, mean_std, run_or_reuse, value_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_METHODS = "ifca,gradloss-0.1,gradloss-0.2,gradloss-0.5,gradloss-0.2-mean,oracle,fedavg"
@@ -184,7 +184,7 @@ def main() -> None:
                                                      "else multimodel_mnist_mlp.yaml)")
     parser.add_argument("--methods", default=None)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--engine", choices=("ray", "inprocess"), default=None,
+    parser.add_argument("--engine", choices=ENGINES, default=None,
                         help="default: inprocess with --paper, else ray")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
