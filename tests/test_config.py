@@ -153,6 +153,8 @@ BAD_CONFIGS = [
     (["partition.name=rotation", "partition.cluster_sizes=[10,10]"], "partition.cluster_sizes",
      "needs one size per entry of angles (4), got 2"),
     (["partition.num_groups=0"], "partition.num_groups", "must be >= 1"),
+    (["partition.name=rotation", "partition.rotation_fill=grey"], "partition.rotation_fill",
+     "expected one of normalized_zero, black"),
     (["simulation.fail_fit={99: [3]}"], "simulation.fail_fit.99", "partition ids run from 0 to 19"),
     (["client.epochs=1.5"], "client.epochs", "expected an integer"),
     (["client=3"], "client", "expected a mapping"),
