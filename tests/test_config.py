@@ -155,6 +155,8 @@ BAD_CONFIGS = [
     (["partition.num_groups=0"], "partition.num_groups", "must be >= 1"),
     (["partition.name=rotation", "partition.rotation_fill=grey"], "partition.rotation_fill",
      "expected one of normalized_zero, black"),
+    (["strategy.name=oneshot_hfl", "strategy.num_clusters=4", "strategy.eigen_floor=1.5"], "strategy.eigen_floor",
+     "must be in [0, 1)"),
     (["simulation.fail_fit={99: [3]}"], "simulation.fail_fit.99", "partition ids run from 0 to 19"),
     (["client.epochs=1.5"], "client.epochs", "expected an integer"),
     (["client=3"], "client", "expected a mapping"),
