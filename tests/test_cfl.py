@@ -22,7 +22,7 @@ from fedcluster_flwr.strategies.cfl import CFL, CFLOptions, cosine_similarity
 from fedcluster_flwr.strategies.core import UNASSIGNED
 from fedcluster_flwr.tasks.selection import TRAIN_SELECT
 
-OPTIONS = CFLOptions(eps1=0.5, eps2=1.0)
+OPTIONS = CFLOptions(thresholds="absolute", eps1=0.5, eps2=1.0)  # the paper's form, on hand-made unit-scale updates
 
 
 def direction(k: int) -> np.ndarray:
@@ -94,6 +94,33 @@ def test_no_split_unless_every_condition_holds(tmp_path, case):
         assert mean > OPTIONS.eps1
     if case == "max small":
         assert mean < OPTIONS.eps1 and largest < OPTIONS.eps2
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 100.0])
+def test_relative_thresholds_are_shares_of_the_update_scale_before_any_split(tmp_path, scale):
+    """Default thresholds: S = the largest mean ‖Δθ_i‖ before a split; ε1 = 0.5 S, ε2 = 0.8 S. Round
+    1: every client moves the same way (norm 1 · scale): S = scale, no split (‖mean‖ ≈ S). Round 2:
+    two camps of norm 0.9 · scale cancel: ‖mean‖ ≈ 0 < ε1, max 0.9 S > ε2: split, at any scale."""
+    strategy = cfl(tmp_path / str(scale), 4, CFLOptions())
+    manager = client_manager(4)
+    together = {p: scale * direction(0) for p in range(4)}
+    drive_round(strategy, manager, 1, adding(together))
+    assert strategy.splits == [] and strategy.norm_scale == pytest.approx(scale, rel=1e-5)
+    assert strategy.thresholds() == pytest.approx((0.5 * scale, 0.8 * scale), rel=1e-5)
+    camps = {p: scale * u for p, u in two_camps(range(4), {0, 2}, size=0.9, noise=0.01).items()}
+    drive_round(strategy, manager, 2, adding(camps))
+    assert [s.round for s in strategy.splits] == [2] and strategy.assignment.tolist() == [1, 2, 1, 2]
+    # S is fixed by the first split: a child's smaller updates do not lower the thresholds
+    drive_round(strategy, manager, 3, adding({p: 0.1 * scale * direction(1) for p in range(4)}))
+    assert strategy.norm_scale == pytest.approx(scale, rel=1e-5)
+
+
+def test_relative_thresholds_do_not_split_camps_below_eps2_of_the_scale(tmp_path):
+    strategy = cfl(tmp_path, 4, CFLOptions())
+    manager = client_manager(4)
+    drive_round(strategy, manager, 1, adding({p: direction(0) for p in range(4)}))  # S = 1
+    drive_round(strategy, manager, 2, adding(two_camps(range(4), {0, 2}, size=0.7, noise=0.01)))  # max 0.7 < 0.8
+    assert strategy.splits == []
 
 
 def test_the_warm_up_only_delays_the_split(tmp_path):
@@ -228,8 +255,9 @@ def test_the_state_round_trip_continues_identically(tmp_path):
     copy = cfl(tmp_path / "b", 6)
     copy.load_state_dict(deepcopy(state))
     assert_same_state(copy.state_dict(), state)
-    assert CFL.options_fixed_by(state) == ("eps1", "eps2", "warmup_rounds", "min_cluster_size", "max_clusters",
-                                           "bipartition", "mean_update")
+    assert CFL.options_fixed_by(state) == ("thresholds", "eps1", "eps2", "eps1_relative", "eps2_relative",
+                                           "warmup_rounds", "min_cluster_size", "max_clusters", "bipartition",
+                                           "mean_update")
     assert CFL.options_fixed_by(cfl(tmp_path / "c", 6).state_dict()) == ()
     for each in (strategy, copy):
         drive_round(each, manager, 2, adding(updates))
@@ -258,6 +286,8 @@ def test_round_rows_record_the_norms_and_the_splits(tmp_path):
     [
         ("strategy.eps1=0", "strategy.eps1: must be > 0, got 0.0"),
         ("strategy.eps2=-1", "strategy.eps2: must be > 0"),
+        ("strategy.thresholds=scaled", "strategy.thresholds: expected one of relative, absolute"),
+        ("strategy.eps1_relative=0", "strategy.eps1_relative: must be > 0"),
         ("strategy.warmup_rounds=-1", "strategy.warmup_rounds: must be >= 0"),
         ("strategy.min_cluster_size=0", "strategy.min_cluster_size: must be >= 1"),
         ("strategy.max_clusters=0", "strategy.max_clusters: must be >= 1"),
@@ -285,3 +315,16 @@ def test_cfl_finds_the_four_label_swap_groups_of_the_default_config(tmp_path):
     assert rows[-1]["ari"] == 1.0 and rows[-1]["purity"] == 1.0
     assert all(s.alpha_max_cross < 0.3 for s in strategy.splits)
     assert rows[-1]["mean_client_accuracy"] > rows[strategy.splits[0].round - 1]["mean_client_accuracy"]
+
+
+def test_cfl_relative_thresholds_find_three_groups_of_a_held_out_case(tmp_path):
+    """The held-out case of issue #33 (not the default config's, on which the defaults were
+    calibrated): digits label swap, 18 clients in 3 groups, every client every round, 30 rounds.
+    The default relative thresholds find the 3 groups and do not split them further."""
+    overrides = ["strategy.name=cfl", "partition.num_clients=18", "partition.num_groups=3",
+                 "strategy.client_fraction=1.0", "rounds=30"]
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
+    assert config.strategy.options.thresholds == "relative"
+    strategy = run_in_process(config, tmp_path / "run")
+    last = strategy.setup.recorder.rows[-1]
+    assert last["ari"] >= 0.9 and last["num_clusters"] == 3

@@ -338,6 +338,25 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
     assert json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["phase"] == "pens_gossip"
 
 
+def test_pens_selection_candidates_draws_more_peers_while_selecting_and_num_neighbours_after(tmp_path):
+    """Onoszko et al.'s own code: n = selection_candidates peers scored per selection round, the
+    m lowest kept; afterwards num_neighbours of the kept ones per round. With 7 candidates of the 7
+    others every client sees its whole cluster, so it keeps only peers of its own cluster."""
+    options = PENSOptions(num_neighbours=1, num_kept=1, selection_rounds=2, selection_candidates=N - 1)
+    strategy = gossip(PENS, tmp_path, options)
+    manager = client_manager(N)
+    for rnd in (1, 2):
+        for pid, client in drive_round(strategy, manager, rnd, gossip_client(loss_by_true_cluster)).items():
+            assert len(client.peers) == N - 1 and client.config[MERGE_LOWEST_KEY] == 1
+    kept = strategy.kept_counts > 0
+    assert all(TRUE[j] == TRUE[i] for i, j in zip(*np.nonzero(kept)))  # the m lowest: own cluster only
+    assert kept.sum(axis=1).min() >= 1
+    for pid, client in drive_round(strategy, manager, 3, gossip_client(loss_by_true_cluster)).items():
+        assert len(client.peers) == 1 and TRUE[client.peers[0]] == TRUE[pid]
+    # the DAC reference's PENS (null): the same n while selecting as after
+    assert PENSOptions().selection_candidates is None
+
+
 def test_a_pens_client_merges_only_its_lowest_loss_neighbours(monkeypatch):
     config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
     client = make_client(config, 0, config.partition.num_clients)
@@ -365,6 +384,10 @@ def test_a_pens_client_merges_only_its_lowest_loss_neighbours(monkeypatch):
      "strategy.two_hop_estimate: 'reference' chooses how two-hop estimates are made, but two_hop is false"),
     (("strategy.name=pens", "strategy.num_kept=6"), r"strategy.num_kept: must be in 1..num_neighbours \(5\)"),
     (("strategy.name=pens", "strategy.selection_rounds=0"), "strategy.selection_rounds: must be >= 1"),
+    (("strategy.name=pens", "strategy.selection_candidates=10", "strategy.num_kept=11"),
+     r"strategy.num_kept: must be in 1..selection_candidates \(10\)"),
+    (("strategy.name=pens", "strategy.selection_candidates=20"),
+     r"strategy.selection_candidates: must be below partition.num_clients \(20\)"),
 ])
 def test_the_gossip_options_errors_name_the_key(overrides, message):
     from fedcluster_flwr.schema import ConfigError

@@ -101,16 +101,45 @@ def test_tensors_rotation_by_other_angle(digits):
     assert (near - exact).abs().mean() < (near - plain).abs().mean()
 
 
-def test_rotation_fills_corners_with_black_before_normalizing(digits):
-    """A white image rotated by 45 degrees has black (0 before normalizing) corners."""
+@pytest.mark.parametrize(
+    "fill, corner",
+    [
+        # the DAC reference's (main_fed.py: Normalize, then RandomRotation with fill 0): the model sees 0
+        ("normalized_zero", 0.0),
+        # rotated before normalizing: raw 0 (black), normalized with digits' mean/std
+        ("black", (0.0 - 0.305) / 0.375),
+    ],
+)
+def test_rotation_fill_of_the_corners_of_a_45_degree_rotation(fill, corner):
+    """A white image rotated by 45 degrees: its corner pixel is the fill, its centre stays white."""
     from fedcluster_flwr.data.datasets import DatasetPool
 
     white = DatasetPool("white", torch.full((1, 1, 8, 8), 16.0), np.zeros(1, dtype=np.int64), 10, 16.0, (0.305,), (0.375,))
-    x, _ = white.tensors(np.array([0]), ClientTransform(rotation=45.0))
-    black = (0.0 - 0.305) / 0.375
+    x, _ = white.tensors(np.array([0]), ClientTransform(rotation=45.0, rotation_fill=fill))
     one = (1.0 - 0.305) / 0.375
-    assert float(x[0, 0, 0, 0]) == pytest.approx(black, abs=1e-5)
+    assert float(x[0, 0, 0, 0]) == pytest.approx(corner, abs=1e-5)
     assert float(x[0, 0, 4, 4]) == pytest.approx(one, abs=1e-5)
+
+
+def test_rotation_fill_is_the_same_for_multiples_of_90_degrees(digits):
+    """No corner is left by 90/180/270 degrees: both fills give the same bits."""
+    idx = np.arange(5)
+    for degrees in (90.0, 180.0, 270.0):
+        grey, _ = digits.tensors(idx, ClientTransform(rotation=degrees, rotation_fill="normalized_zero"))
+        black, _ = digits.tensors(idx, ClientTransform(rotation=degrees, rotation_fill="black"))
+        assert torch.equal(grey, black), degrees
+
+
+def test_rotation_partition_passes_its_fill_to_every_client(digits):
+    from fedcluster_flwr.data.partitions import RotationOptions
+
+    for fill in ("normalized_zero", "black"):
+        part = make_partition(
+            "rotation", RotationOptions(angles=(0.0, 45.0), rotation_fill=fill), labels=digits.labels,
+            num_classes=10, num_clients=4, samples_per_client=20, test_fraction=0.2, seed=0,
+        )
+        assert {t.rotation_fill for t in part.transforms} == {fill}
+    assert RotationOptions().rotation_fill == "normalized_zero"  # the reference's is the default
 
 
 def test_unknown_dataset():

@@ -22,6 +22,7 @@ from fedcluster_flwr.strategies.oneshot_hfl import HFLOptions, OracleHFL
 from fedcluster_flwr.tasks.oneshot import (
     EIGENVALUES,
     EIGENVECTORS,
+    EIGEN_FLOOR_KEY,
     FEATURES_KEY,
     FEATURE_DIM_KEY,
     FEATURE_SEED_KEY,
@@ -122,7 +123,7 @@ def label_group_config():
 
 
 FEATURE_CONFIG = {FEATURES_KEY: "identity", FEATURE_DIM_KEY: 64, FEATURE_SEED_KEY: 0, PRETRAINED_WEIGHTS_KEY: "",
-                  SHARE_EIGENVALUES_KEY: False}
+                  SHARE_EIGENVALUES_KEY: False, EIGEN_FLOOR_KEY: 1e-3}
 SHARING = FEATURE_CONFIG | {SHARE_EIGENVALUES_KEY: True}  # relevance: amiri
 
 
@@ -161,6 +162,34 @@ def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_confi
     assert within > across + 0.1
     labels = cluster_by_relevance(relevance, "average", num_clusters=2).labels
     assert (labels == true).all() or (labels == 1 - true).all()
+
+
+def test_the_relevance_task_takes_its_eigen_floor_from_the_instruction(label_group_config):
+    """Digits' 64 pixels include a few that are (nearly) constant, so at k = 40 eigenvectors some
+    compared eigenvalues are tiny: the guard's ε decides those ratios. The client's row is
+    relevance_row at the floor the instruction carries, and a larger floor raises a score."""
+    clients = [make_client(label_group_config, pid, 20) for pid in (0, 19)]  # one client per task
+    summaries = [top_gram_eigenpairs(c, TaskInput(1, {}, FEATURE_CONFIG | {NUM_EIGENVECTORS_KEY: 40})).blocks[EIGENVECTORS]
+                 for c in clients]
+    gram = client_gram(clients[0], FEATURE_CONFIG).numpy()
+    rows = {}
+    for floor in (0.0, 1e-3, 1e-1):
+        config = FEATURE_CONFIG | {EIGEN_FLOOR_KEY: floor}
+        rows[floor] = relevance_to_every_client(clients[0], TaskInput(2, {EIGENVECTORS: summaries}, config)).blocks[RELEVANCE][0]
+        expected = relevance_row(gram, [s[0] for s in summaries], floor=floor)
+        np.testing.assert_allclose(rows[floor], expected, rtol=1e-6)
+    assert rows[0.0][1] < rows[1e-3][1] < rows[1e-1][1]  # across tasks, the floor lifts the score
+    assert rows[1e-1][0] == pytest.approx(1.0, abs=1e-5)  # r(i, i) = 1 at any floor
+
+
+def test_oneshot_sends_its_eigen_floor_with_the_relevance_instruction(tmp_path):
+    strategy, manager = oneshot_strategy(tmp_path, eigen_floor=0.05), client_manager(6)
+    drive_round(strategy, manager, 1, one_shot_client())
+    instructions = strategy.clustering_instructions(2, list(range(6)))
+    assert {ins.config[EIGEN_FLOOR_KEY] for ins in instructions} == {0.05}
+    from fedcluster_flwr.strategies.oneshot_hfl import OneShotOptions
+
+    assert OneShotOptions().eigen_floor == 1e-3  # the former constant stays the default
 
 
 def test_random_projection_is_the_same_for_every_client_with_the_seed():

@@ -72,13 +72,21 @@ class DatasetPool:
         # long, and a client is built for every message it gets (client_fn runs every round)
         x = self.images.index_select(0, index).to(torch.float32).div_(self.scale)
         y = torch.as_tensor(self.labels[indices], dtype=torch.long)
-        if transform.rotation % 360:
-            x = rotate(x, transform.rotation)  # before normalizing, so corners fill with black
+        # a multiple of 90 degrees is a permutation of the pixels, no corner to fill: it keeps the
+        # former order (rotate, then normalize), which gives the same bits as the other
+        after = transform.rotation % 90 != 0 and transform.rotation_fill == "normalized_zero"
+        if transform.rotation % 360 and not after:
+            x = rotate(x, transform.rotation)  # before normalizing: corners are raw 0 (black)
         if transform.label_map is not None:
             y = torch.as_tensor(transform.label_map, dtype=torch.long)[y]
         mean = torch.tensor(self.mean).view(1, -1, 1, 1)
         std = torch.tensor(self.std).view(1, -1, 1, 1)
-        return x.sub_(mean).div_(std), y  # in place: the same arithmetic without two temporaries
+        x = x.sub_(mean).div_(std)  # in place: the same arithmetic without two temporaries
+        if after:
+            # after normalizing, as the DAC reference (main_fed.py: Normalize, then RandomRotation):
+            # corners are 0 in the model's input space (RotationOptions explains)
+            x = rotate(x, transform.rotation)
+        return x, y
 
 
 def rotate(images: torch.Tensor, degrees: float) -> torch.Tensor:

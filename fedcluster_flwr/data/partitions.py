@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -26,6 +26,9 @@ class ClientTransform:
 
     label_map: tuple[int, ...] | None = None  # new label = label_map[old label]
     rotation: float = 0.0  # degrees, counter-clockwise
+    # what the rotated-away corners hold (RotationOptions.rotation_fill); a multiple of 90 degrees
+    # leaves no corner, so then both fills give the same bits
+    rotation_fill: Literal["normalized_zero", "black"] = "normalized_zero"
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,10 +92,28 @@ class LabelSwapOptions:
 
 @dataclass(frozen=True)
 class RotationOptions:
-    """IID split; the clients of cluster k see images rotated by `angles[k]` degrees."""
+    """IID split; the clients of cluster k see images rotated by `angles[k]` degrees.
+
+    ``rotation_fill`` is what the corners that a rotation by other than a multiple of 90 degrees
+    turns away from the image hold:
+
+    - ``normalized_zero`` (default, as published): the image is rotated *after* normalisation, so
+      the corners are 0 in the model's input space. The DAC reference code (github.com/edvinli/DAC,
+      main_fed.py) loads Fashion-MNIST/CIFAR-10 with ``Compose([ToTensor(), Normalize(0.5, 0.5)])``
+      and its ``DatasetSplit`` then applies ``RandomRotation(degrees=(d, d))`` (default fill 0) to
+      the normalised tensor (``ClientUpdate.__init__``; ``create_test_data`` puts the rotation after
+      Normalize in the same Compose). Its zero is raw grey 0.5, because it normalises with 0.5/0.5;
+      ours normalises with the dataset's mean/std, so here the corners are the dataset's mean
+      intensity (0.286 for Fashion-MNIST) - the same "no information" input to the model.
+    - ``black``: rotated *before* normalisation, corners raw 0 (this project's former behaviour).
+
+    The reference also rotates with nearest-neighbour interpolation (RandomRotation's default);
+    we use bilinear. Angles that are multiples of 90 degrees are exact permutations either way.
+    """
 
     angles: tuple[float, ...] = (0.0, 90.0, 180.0, 270.0)
     cluster_sizes: tuple[int, ...] | None = None
+    rotation_fill: Literal["normalized_zero", "black"] = "normalized_zero"
 
     def validate(self, prefix: str) -> None:
         require(len(self.angles) >= 1, join_key(prefix, "angles"), "needs at least one angle")
@@ -387,7 +408,8 @@ def partition_label_swap(req: PartitionRequest, opts: LabelSwapOptions) -> Parti
 
 def partition_rotation(req: PartitionRequest, opts: RotationOptions) -> PartitionResult:
     true = cluster_ids(opts.cluster_sizes, len(opts.angles), req.num_clients)
-    return iid_indices(req), true, [ClientTransform(rotation=opts.angles[k]) for k in true]
+    transforms = [ClientTransform(rotation=opts.angles[k], rotation_fill=opts.rotation_fill) for k in true]
+    return iid_indices(req), true, transforms
 
 
 def partition_label_groups(req: PartitionRequest, opts: LabelGroupsOptions) -> PartitionResult:

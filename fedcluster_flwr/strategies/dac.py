@@ -63,7 +63,7 @@ from ..protocol import MODELS, TRAIN
 from ..tasks import gossip
 from ..tasks.gossip import GOSSIP_TRAIN
 from ..results import plot_client_matrix
-from ..schema import Is, IsNot, LessThan, NoMoreThan, OnlyWith, at_least, option, require
+from ..schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from .core import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import SHARE_OF_CLIENTS
 
@@ -112,13 +112,20 @@ class DACVarOptions(DACCommonOptions):
 
 @dataclass(frozen=True)
 class PENSOptions(GossipOptions):
-    num_kept: int = option(2, at_least(1))  # m: of the num_neighbours (n) drawn in a selection round, the lowest-loss ones merged
+    num_kept: int = option(2, at_least(1))  # m: of the peers drawn in a selection round, the lowest-loss ones merged
     selection_rounds: int = option(10, at_least(1))
+    # peers drawn per selection round; null: num_neighbours, as the DAC reference's PENS baseline
+    # (utils.py train_pens draws n_sampled in both phases). Onoszko et al.'s own code draws
+    # n_clients_to_consider = 20 (guskarls/dfl-pens main.py) and gossips with n_neighbours = m = 2.
+    selection_candidates: int | None = option(None, at_least(1), note="null: num_neighbours")
 
-    rules = (
-        NoMoreThan("num_kept", "num_neighbours",
-                   message="must be in 1..num_neighbours ({bound}): of the peers drawn, the ones kept; got {num_kept}"),
-    )
+    experiment_rules = (LessThan("selection_candidates", "partition.num_clients", why="a client never draws itself"),)
+
+    def validate(self, prefix: str) -> None:
+        drawn_key, drawn = (("selection_candidates", self.selection_candidates) if self.selection_candidates is not None
+                            else ("num_neighbours", self.num_neighbours))
+        require(self.num_kept <= drawn, join_key(prefix, "num_kept"),
+                f"must be in 1..{drawn_key} ({drawn}): of the peers drawn, the ones kept; got {self.num_kept}")
 
 
 def reference_tau(t: float, tau: float) -> float:
@@ -196,6 +203,10 @@ class Gossip(ClusteredStrategy):
         """Log-weights of ``candidates`` as ``pid``'s neighbours: p ∝ exp(score); −inf: never."""
         return np.zeros(len(candidates))
 
+    def neighbour_count(self) -> int:
+        """How many neighbours a client draws this round."""
+        return self.options.num_neighbours
+
     def neighbours(self, server_round: int, pid: int) -> list[int]:
         """m online neighbours of ``pid`` sampled without replacement, p ∝ exp(:meth:`neighbour_scores`).
 
@@ -209,7 +220,7 @@ class Gossip(ClusteredStrategy):
         candidates = np.array([p for p in self.online if p != pid and self.pretrained[p]], dtype=np.int64)
         scores = self.neighbour_scores(server_round, pid, candidates)
         allowed = np.isfinite(scores)
-        count = min(self.options.num_neighbours, int(allowed.sum()))
+        count = min(self.neighbour_count(), int(allowed.sum()))
         keys = scores[allowed] + self.rng.gumbel(size=int(allowed.sum()))
         return [int(q) for q in candidates[allowed][np.argsort(-keys, kind="stable")[:count]]]
 
@@ -439,12 +450,33 @@ class PENS(Gossip):
       ``train_pens`` + ``gossip``). Each round it draws min(n, its kept set) of them uniformly
       and merges them all.
 
-    Choices the paper leaves open, taken as the reference code does: the same n is drawn in both
-    phases; the threshold counts N with every client (online or not) and the nominal number of
-    selection rounds, also for a client that missed some; a client whose kept set is empty (e.g.
-    one that joined after the selection) trains alone, as the reference's ``gossip`` does with no
-    neighbours. The defaults n = 5 (the DAC paper's five per round), m = 2 and 10 selection
-    rounds are ours.
+    **Which PENS this is**: the PENS *baseline of the DAC paper*, as the DAC reference code runs it
+    (github.com/edvinli/DAC utils.py ``train_pens``, then main_fed.py's kept-set threshold
+    ``(top_m / num_clients) · n_rounds_pens`` and ``gossip``). Choices taken from it: the same n in
+    both phases (unless ``selection_candidates``); the threshold counts N with every client (online
+    or not) and the nominal number of selection rounds, also for a client that missed some; a
+    client whose kept set is empty (e.g. one that joined after the selection) trains alone, as the
+    reference's ``gossip`` does with no neighbours. n = 5 (the DAC paper's five per round), m = 2
+    and 10 selection rounds (options.py ``--top_m 2``, ``--n_rounds_pens 10`` at its commit bbe3c08).
+
+    How Onoszko et al.'s own code (github.com/guskarls/dfl-pens: train_utils.py
+    ``clients_to_communicate_with``, ``performance_based`` + ``greedy``; train_functions.py
+    ``train_edu``) differs:
+
+    * n: it scores ``n_clients_to_consider`` = 20 random peers per selection round and keeps the
+      m = ``n_neighbours`` = 2 best; afterwards it gossips with m = 2 of the kept ones per round.
+      This changes the selection materially (a 20-client cluster among 100 sees at least two of its
+      own among 5 candidates in 24 % of the rounds, among 20 in 94 %: hypergeometric), so it is an
+      option here: ``selection_candidates: 20`` with ``num_neighbours: 2``.
+    * direction: it evaluates client i's *own* model on candidate j's training data (ours and the
+      DAC reference: j's model on i's data). Not an option: here a client holds only its own data,
+      so it would need a task in which j scores i's model; documented instead.
+    * metric: accuracy by default (``--neighbour_selection_metric acc``; 1/(loss + 1e-5) optional);
+      ours the loss (the DAC reference's). Not an option (the reply carries losses only).
+    * 20 selection rounds (``train_edu`` sets ``n_comrounds = 20``): ``selection_rounds: 20``.
+    * its cut-off ("above_average") is count > m · rounds / (N − 1) − 1, ours count > (m / N) ·
+      rounds; at m = 2, N = 100 both keep every peer kept at least once for up to 49 rounds.
+    * it averages the kept models with equal weights (ours by sample counts, equal here).
     """
 
     name = "pens"
@@ -465,6 +497,10 @@ class PENS(Gossip):
 
     def exchange_config(self) -> dict[str, int]:
         return {gossip.MERGE_LOWEST_KEY: self.options.num_kept} if self.selecting else {}
+
+    def neighbour_count(self) -> int:
+        candidates = self.options.selection_candidates
+        return candidates if self.selecting and candidates is not None else self.options.num_neighbours
 
     def neighbour_scores(self, server_round: int, pid: int, candidates: np.ndarray) -> np.ndarray:
         if self.selecting:
@@ -497,5 +533,5 @@ class PENS(Gossip):
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
         """Once a selection round ran, its n, m and length shaped the counts."""
-        selection = ("num_kept", "selection_rounds") if state.get("exchanges", 0) >= 1 else ()
+        selection = ("num_kept", "selection_rounds", "selection_candidates") if state.get("exchanges", 0) >= 1 else ()
         return super().options_fixed_by(state) + selection

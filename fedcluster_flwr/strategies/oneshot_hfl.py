@@ -10,7 +10,8 @@ The algorithm (``oneshot_hfl``):
    eigenvalues) and returns its row of relevances r(i, ·) (eqs. 2–4): ``relevance: paper`` (the
    default) compares ‖G_i v_k^(j)‖ with client i's own k-th eigenvalue, as the paper's eq. 3 and
    Algorithm 2 do; ``amiri`` with client j's, as Amiri et al.'s original form (see
-   :func:`~fedcluster_flwr.clustering.relevance_row`). The server forms R = (r + rᵀ)/2 (eq. 5) and clusters
+   :func:`~fedcluster_flwr.clustering.relevance_row`; each ratio of eq. 3 is guarded by
+   ``eigen_floor`` × the largest eigenvalue compared). The server forms R = (r + rᵀ)/2 (eq. 5) and clusters
    1 − R agglomeratively into ``num_clusters`` T (or cut at ``threshold``; given neither, where the
    silhouette is largest) — once, before any training.
 3. Rounds 3..: one local parameter server (LPS) model per cluster, FedAvg over a fraction
@@ -44,7 +45,9 @@ import numpy as np
 from flwr.common import Scalar, log
 
 from ..aggregation import average_layers
-from ..clustering import ClusteringRecord, cluster_by_relevance, cut_rule, relevance_matrix, within_and_across
+from ..clustering import (
+    RELEVANCE_FLOOR, ClusteringRecord, cluster_by_relevance, cut_rule, relevance_matrix, within_and_across,
+)
 from ..features import check_weights_file, feature_dim
 from ..models import model_outline, parameter_names, parameters_with_prefixes
 from ..protocol import MODEL
@@ -112,6 +115,11 @@ def feature_config(options: FeatureMapOptions, dim: int, seed: int, share_eigenv
 class OneShotOptions(FeatureMapOptions, HFLOptions):
     num_eigenvectors: int = option(5, at_least(1))
     relevance: Literal["paper", "amiri"] = "paper"  # eq. 3 with the client's own eigenvalue; amiri: with j's
+    # ε of eq. 3's ratio (min + ε) / (max + ε), relative to the largest eigenvalue compared
+    # (clustering.relevance_row). Ours, not the paper's: the paper only warns that tiny eigenvalues
+    # make the ratio unstable; 0 is eq. 3 unguarded. benchmarks/oneshot/README.md measures its effect.
+    eigen_floor: float = option(RELEVANCE_FLOOR, Interval(0, 1, closed="left"),
+                                note="a share of the largest eigenvalue compared; 0: eq. 3 unguarded")
     num_clusters: int | None = option(None, at_least(1))
     threshold: float | None = option(None, Interval(0, 1, closed="neither"))  # on 1 - R
     linkage: Literal["single", "complete", "average"] = "average"
@@ -279,6 +287,7 @@ class OneShotHFL(HierarchicalFL):
             config[oneshot.NUM_EIGENVECTORS_KEY] = self.options.num_eigenvectors
             return [Instruction(p, GRAM_EIGEN, {}, config) for p in online]
         summaries = [self.summaries[p] for p in sorted(self.summaries)]
+        config[oneshot.EIGEN_FLOOR_KEY] = self.options.eigen_floor
         return [Instruction(p, RELEVANCE_ROW, {EIGENVECTORS: summaries}, config) for p in online if p in self.summaries]
 
     def absorb_clustering(self, server_round: int, replies: list[Reply]) -> Artifacts | None:

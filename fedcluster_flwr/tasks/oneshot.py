@@ -43,6 +43,8 @@ PRETRAINED_WEIGHTS_KEY = "pretrained_weights"  # pretrained: the backbone's weig
 # Whether clients share their eigenvalues along with their eigenvectors (Amiri et al.'s relevance
 # compares j's eigenvalues; Ali & Arafa's eq. 3 the client's own, so none are sent)
 SHARE_EIGENVALUES_KEY = "share_eigenvalues"
+# relevance: ε of eq. 3's guarded ratio, relative to the largest eigenvalue compared (strategy.eigen_floor)
+EIGEN_FLOOR_KEY = "eigen_floor"
 
 # Block names.
 EIGENVECTORS = "eigenvectors"  # sent: items [vectors (k, d)] (+ values (k,) when shared); replied: vectors (k, d)
@@ -69,7 +71,8 @@ GRAM_EIGEN = Task(
     config=(NUM_EIGENVECTORS_KEY, *_ONESHOT_CONFIG),
 )
 RELEVANCE_ROW = Task(
-    "relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape, config=_ONESHOT_CONFIG
+    "relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape,
+    config=(*_ONESHOT_CONFIG, EIGEN_FLOOR_KEY),
 )
 
 
@@ -104,5 +107,6 @@ def relevance_to_every_client(client: ClusterClient, inputs: TaskInput) -> TaskO
             f"got {sorted({len(item) for item in summaries})}"
         )
     values = [item[1] for item in summaries] if shared else None
-    row = relevance_row(client_gram(client, inputs.config).numpy(), [item[0] for item in summaries], values)
+    floor = float(inputs.config[EIGEN_FLOOR_KEY])
+    row = relevance_row(client_gram(client, inputs.config).numpy(), [item[0] for item in summaries], values, floor)
     return TaskOutput({RELEVANCE: [row.astype(np.float32)]}, client.num_train)
