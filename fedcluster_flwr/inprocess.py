@@ -11,8 +11,8 @@ seed sweeps (``benchmarks/multimodel --paper``) and quick studies use it; a slow
 the Ray engine's rounds bit for bit, and end-to-end tests use Ray.
 
 With ``simulation.engine: batched`` each client's handler runs in a thread of its own and the torch
-work of a round's clients executes together (:mod:`fedcluster_flwr.engines.batched`); torch then
-uses every core of this process instead of one.
+work of a round's clients executes together (:mod:`fedcluster_flwr.engines.batched`), spread over
+one worker thread per core (each on one torch thread, as every client is on the other engines).
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def batched_rendezvous(config: ExperimentConfig) -> Rendezvous:
     policy = BatchPolicy(
         stack_on_cpu=config.model.name not in CPU_UNSTACKED_MODELS,
         memory_bytes=default_memory_bytes(device) if memory is None else int(memory * 1024**3),
+        workers=cpu_threads() if device.type == "cpu" else 1,
     )
     return Rendezvous(lambda batch: execute(batch, policy))
 
@@ -117,7 +118,7 @@ def run_in_process(
     executes the round's clients together; any other value runs them one after another.
     """
     batched = config.simulation.engine == "batched"
-    with torch_threads(cpu_threads() if batched else 1):
+    with torch_threads(1):
         components = server_components(
             config, run_dir, on_round, resume=resume, stop_after=stop_after, make_strategy=make_strategy
         )

@@ -20,9 +20,11 @@ when the engine starts, on the GPU or in RAM, at most 4 GB of RAM).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,10 +139,16 @@ class Rendezvous:
 
 @dataclass
 class BatchPolicy:
-    """What runs stacked and in chunks of how many clients."""
+    """What runs stacked, in chunks of how many clients, on how many threads.
+
+    ``workers`` threads each run one stack (or one lone client) at a time, on one torch thread:
+    torch releases the GIL inside its kernels, so on a CPU this uses the cores as the Ray engine's
+    one-thread client processes do, where one stack on several torch threads would spend its time
+    synchronising them over small operations."""
 
     stack_on_cpu: bool
     memory_bytes: int
+    workers: int = 1
     said: set[str] = field(default_factory=set)
 
     def stacks(self, request: Request) -> bool:
@@ -152,14 +160,18 @@ class BatchPolicy:
             return False
         return True
 
-    def chunk_size(self, request: Request, longest: int) -> int:
-        """Clients per stacked call, so that their parameters, optimizer state and activations fit
-        ``memory_bytes``: a rough but safe upper estimate."""
-        parameter_bytes = sum(p.numel() * p.element_size() for p in request.model.parameters())
-        samples = longest if request.kind == "evaluate" else request.settings.batch_size
-        sample_bytes = request.x[:1].numel() * request.x.element_size()
+    def chunks(self, requests: list[Request], longest: int) -> list[list[Request]]:
+        """``requests`` cut into consecutive stacks: at least one per worker, each fitting the
+        memory budget (a rough but safe upper estimate of parameters, optimizer state and
+        activations per client), all stacks together within it."""
+        first = requests[0]
+        parameter_bytes = sum(p.numel() * p.element_size() for p in first.model.parameters())
+        samples = longest if first.kind == "evaluate" else first.settings.batch_size
+        sample_bytes = first.x[:1].numel() * first.x.element_size()
         per_client = 5 * parameter_bytes + samples * sample_bytes * 64 + longest * sample_bytes
-        return max(1, int(self.memory_bytes // per_client))
+        fits = max(1, int(self.memory_bytes // per_client))
+        size = max(1, min(fits, -(-len(requests) // self.workers)))
+        return [requests[start : start + size] for start in range(0, len(requests), size)]
 
     def _say_once(self, key: str, text: str) -> None:
         if key not in self.said:
@@ -168,19 +180,26 @@ class BatchPolicy:
 
 
 def execute(batch: list[Request], policy: BatchPolicy) -> None:
-    """Run ``batch``: each group of like requests stacked (or one by one, see :class:`BatchPolicy`)."""
+    """Run ``batch``: each group of like requests stacked (or one by one, see :class:`BatchPolicy`),
+    the stacks and the lone requests spread over ``policy.workers`` threads."""
     groups: dict[tuple, list[Request]] = {}
     for request in batch:
         groups.setdefault(request.group_key(), []).append(request)
+    jobs: list[Callable[[], None]] = []
     for requests in groups.values():
         if len(requests) == 1 or not policy.stacks(requests[0]):
-            for request in requests:
-                _finish(request, request.run_alone)
+            jobs.extend(functools.partial(_finish, request, request.run_alone) for request in requests)
             continue
         longest = max(len(r.y) for r in requests)
-        size = policy.chunk_size(requests[0], longest)
-        for start in range(0, len(requests), size):
-            _run_stacked(requests[start : start + size])
+        for chunk in policy.chunks(requests, longest):
+            jobs.append(functools.partial(_run_stacked, chunk))
+    if policy.workers == 1 or len(jobs) == 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(policy.workers, thread_name_prefix="batched") as pool:
+        for done in [pool.submit(job) for job in jobs]:
+            done.result()
 
 
 def _finish(request: Request, work: Callable[[], Any]) -> None:
@@ -244,5 +263,5 @@ def default_memory_bytes(device: torch.device) -> int:
 
 
 def cpu_threads() -> int:
-    """The cores this process may use: the batched engine computes in one process, on all of them."""
+    """The cores this process may use: the batched engine's workers, one per core."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
