@@ -7,8 +7,8 @@ batched engine's CPU rule (benchmarks/engines/README.md).
 
 ``models``: for every registered model on 28x28 (or 8x8 for the digits models) random inputs, K
 clients x one epoch at the confs' batch sizes, timed alternately one client after another
-(training.train) and stacked (engines.stacked.train_stacked) in this process with the torch
-threads the batched engine uses; the ratio is per pair. ``rounds``: each (conf, engine) is a fresh
+(training.train) and stacked (engines.stacked.train_stacked) on one torch thread, as each of the
+batched engine's CPU workers runs (one per core); the ratio is per pair. ``rounds``: each (conf, engine) is a fresh
 ``fedcluster run`` (the engine in its own process, as a user runs it); the table gives the median
 seconds of the rounds after the first (round 1 holds start-up and, for DAC, pre-training) and the
 whole run's wall time. Results go to benchmarks/engines/results/.
@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(ROOT))
 
-from fedcluster_flwr.engines.batched import cpu_threads  # noqa: E402
 from fedcluster_flwr.engines.stacked import ClientBatchData, train_stacked  # noqa: E402
 from fedcluster_flwr.models import MODELS, build_model  # noqa: E402
 from fedcluster_flwr.training import TrainSettings, train  # noqa: E402
@@ -54,7 +53,7 @@ MODEL_SETTINGS = {
 
 
 def time_models(clients: int, samples: int, repeat: int) -> list[dict]:
-    torch.set_num_threads(cpu_threads())
+    torch.set_num_threads(1)  # as each of the batched engine's CPU workers runs
     rows = []
     for name in MODELS:
         if name not in MODEL_SETTINGS:

@@ -12,8 +12,10 @@ the handlers go on, to their next request or their reply. Which requests meet is
 handlers alone, never of thread timing, and each group runs in partition-id order, so a seed
 gives the same run every time on the same machine.
 
-Where stacking does not pay (:data:`CPU_UNSTACKED_MODELS`, measured in benchmarks/engines) or a
-model holds buffers, those clients run one after another, and the run says so once. The client
+Where stacking does not pay, the requests run one client at a time, spread over the workers: on a
+CPU every evaluation (a client's test or training set is already one large batch; stacked, it ran
+1.7-2x slower, benchmarks/engines) and the training of the models in :data:`CPU_UNSTACKED_MODELS`;
+anywhere, a model with buffers (the run says so once). The client
 axis is cut into chunks that fit ``simulation.batched_memory_gb`` (default: half the memory free
 when the engine starts, on the GPU or in RAM, at most 4 GB of RAM).
 """
@@ -37,10 +39,12 @@ from .stacked import ClientBatchData, architecture_key, can_stack, evaluate_stac
 
 log = logging.getLogger("fedcluster")
 
-# Models that train slower stacked than one after another on a CPU (benchmarks/engines/README.md:
-# vmap turns their wide 5x5 convolutions into grouped convolutions, which oneDNN runs slower than
-# one convolution per client). On a GPU every model is stacked.
-CPU_UNSTACKED_MODELS = frozenset({"cnn_briggs"})
+# Models that train slower stacked than one client after another on a CPU worker (one torch
+# thread): `python benchmarks/engines/run.py models`, results/models.json, stacked/alone per
+# client-step 1.06 (cnn_briggs), 1.49 (lenet_cifar), 1.10 (cnn_32_64_fc128), 1.18 (cnn_lin); vmap
+# turns their wide convolutions into grouped ones, which oneDNN runs slower than one per client.
+# On a GPU every model is stacked.
+CPU_UNSTACKED_MODELS = frozenset({"cnn_briggs", "lenet_cifar", "cnn_32_64_fc128", "cnn_lin"})
 
 EVALUATION_BATCH = 1024  # training.evaluate's default batch: the per-client path is unchanged
 
@@ -155,6 +159,8 @@ class BatchPolicy:
         if not can_stack(request.model):
             self._say_once("buffers", "models with buffers (e.g. BatchNorm) train one client at a time")
             return False
+        if request.device.type == "cpu" and request.kind == "evaluate":
+            return False  # a client's evaluation is already one large batch: stacked it ran 1.7-2x slower
         if request.device.type == "cpu" and not self.stack_on_cpu:
             self._say_once("cpu", "this model trains faster one client at a time on a CPU (benchmarks/engines)")
             return False
