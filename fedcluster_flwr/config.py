@@ -115,6 +115,8 @@ class SimulationConfig:
     # batched: memory the stacked clients may take, in GB; null: half the memory free at the start
     # (on the GPU for client.device cuda, else in RAM, at most 4 GB there).
     batched_memory_gb: float | None = option(None, above(0))
+    # batched, on a CPU: worker threads (one torch thread each); null: one per core this process may use.
+    batched_workers: int | None = option(None, at_least(1))
     num_cpus_per_client: float = option(1.0, above(0))
     num_gpus_per_client: float = option(0.0, at_least(0))
     # Fault injection for robustness studies: partition id -> rounds in which its fit raises.
@@ -137,6 +139,7 @@ class SimulationConfig:
     rules = (
         OnlyWith("ray_address", Is("engine", "ray"), "only simulation.engine ray runs on a Ray cluster"),
         OnlyWith("batched_memory_gb", Is("engine", "batched")),
+        OnlyWith("batched_workers", Is("engine", "batched")),
     )
 
     def validate(self, prefix: str) -> None:

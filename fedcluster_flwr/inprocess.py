@@ -94,7 +94,7 @@ def batched_rendezvous(config: ExperimentConfig) -> Rendezvous:
     policy = BatchPolicy(
         stack_on_cpu=config.model.name not in CPU_UNSTACKED_MODELS,
         memory_bytes=default_memory_bytes(device) if memory is None else int(memory * 1024**3),
-        workers=cpu_threads() if device.type == "cpu" else 1,
+        workers=(config.simulation.batched_workers or cpu_threads()) if device.type == "cpu" else 1,
     )
     return Rendezvous(lambda batch: execute(batch, policy))
 

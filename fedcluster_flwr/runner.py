@@ -296,7 +296,7 @@ def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
 
 # Keys a resume may change in place: they choose how a round's clients execute (a checkpoint moves
 # between engines), not what the rounds compute.
-EXECUTION_KEYS = ("simulation.engine", "simulation.batched_memory_gb")
+EXECUTION_KEYS = ("simulation.engine", "simulation.batched_memory_gb", "simulation.batched_workers")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from fedcluster_flwr.inprocess import run_in_process
 from fedcluster_flwr.models import build_model
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.training import TrainSettings, evaluate, train
+from helpers import assert_same_state, rows_without_timing
 from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES
 
 # One case of every family, on the behaviour fixture's settings (a failing client, a late joiner).
@@ -168,7 +169,8 @@ def fedcluster(*args: str) -> subprocess.CompletedProcess:
 def test_fedcluster_runs_on_one_engine_and_resumes_in_place_on_another(tmp_path):
     run_dir = tmp_path / "run"
     started = fedcluster("run", str(DEFAULT_CONFIG), "--out", str(run_dir), "--stop-after", "2",
-                         "--set", "rounds=4", "--set", "simulation.engine=inprocess")
+                         "--set", "rounds=4", "--set", "strategy.rounds_before_clustering=2",
+                         "--set", "simulation.engine=inprocess")
     assert started.returncode == 0, started.stderr
     resumed = fedcluster("resume", str(run_dir), "--set", "simulation.engine=batched")
     assert resumed.returncode == 0, resumed.stderr
@@ -179,3 +181,14 @@ def test_fedcluster_runs_on_one_engine_and_resumes_in_place_on_another(tmp_path)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["simulation"]["engine"] == "batched"
     refused = fedcluster("resume", str(run_dir), "--rounds", "5", "--set", "client.lr=0.1")
     assert refused.returncode != 0 and "only simulation.engine" in refused.stderr
+
+
+def test_batched_runs_are_bit_for_bit_repeatable(tmp_path):
+    # Two workers on a CPU; which worker runs which stack must not matter.
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=6", "simulation.engine=batched",
+                                                                         "strategy.rounds_before_clustering=3")])
+    first, second = run_in_process(config, tmp_path / "first"), run_in_process(config, tmp_path / "second")
+    assert_same_state(rows_without_timing(second.setup.recorder.rows), rows_without_timing(first.setup.recorder.rows))
+    assert first.models.keys() == second.models.keys()
+    for a, b in zip(first.models.values(), second.models.values()):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
