@@ -108,7 +108,7 @@ class StrategyConfig:
 @dataclass(frozen=True)
 class SimulationConfig:
     # How a round's client tasks execute; the strategy and the results files are the same on all
-    # three (README "Engines"). ray: Flower's virtual client engine, one ClientApp call per client.
+    # three (docs/how-to/engines.md). ray: Flower's virtual client engine, one ClientApp call per client.
     # inprocess: the same calls one after another in one process, no Ray (bit for bit ray's rounds).
     # batched: inprocess, with the torch work of a round's clients executed together (stacked).
     engine: Literal["ray", "inprocess", "batched"] = "ray"
@@ -130,8 +130,8 @@ class SimulationConfig:
     # process: a seed then fixes a CPU run bit for bit across CPU models and vendors.
     portable_numerics: bool = False
     # An existing Ray cluster to run the clients on: its head's HOST:PORT, as `ray start --head`
-    # prints it. null: Ray starts on this machine for this run and ends with it (see the README's
-    # "A Ray cluster of several machines").
+    # prints it. null: Ray starts on this machine for this run and ends with it (see
+    # docs/how-to/ray-cluster-gpu.md).
     ray_address: str | None = option(None, HostPort("10.0.0.1:6379"))
 
     rules = (
@@ -183,7 +183,7 @@ class ExperimentConfig:
     target_accuracy: float = option(0.9, Interval(0, 1))
     output_dir: str = "outputs"
     # Checkpoint every N rounds (0: only at the end), so that a stopped run resumes from its last
-    # complete round: ~5 ms per round on the default config (README "Robustness").
+    # complete round: ~5 ms per round on the default config (docs/how-to/resume-and-branch.md).
     checkpoint_every: int = option(1, at_least(0))
 
     @property
