@@ -71,6 +71,14 @@ def test_every_repository_file_the_docs_name_exists():
     assert not missing, sorted(missing)
 
 
+def test_the_readmes_links_lead_to_files():
+    """The README is read on the repository's page, not built by MkDocs: its relative links must
+    lead to files (into docs/, benchmarks/)."""
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert targets and not missing, missing
+
+
 def test_the_docs_site_builds_in_strict_mode(tmp_path):
     for module in ("mkdocs", "material"):
         if importlib.util.find_spec(module) is None:
