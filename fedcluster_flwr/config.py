@@ -55,8 +55,8 @@ from .strategies import STRATEGIES
 @dataclass(frozen=True)
 class DatasetConfig:
     name: str = option("digits", InRegistry(DATASETS, "dataset"))
-    data_dir: str | None = None
-    download: bool = False
+    data_dir: str | None = None  # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
+    download: bool = False  # let torchvision fetch MNIST/Fashion-MNIST/CIFAR-10 when online
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +65,10 @@ class PartitionConfig:
 
     name: str
     num_clients: int = option(10, at_least(1))
+    # null: an equal share of the pool; for class_subsets the largest size every client can get from
+    # its classes; for dirichlet and natural a cap, default none
     samples_per_client: int | None = option(None, at_least(2))
+    # of each client's samples, held out as its local test split (stratified by label)
     test_fraction: float = option(0.2, Interval(0, 1, closed="neither"))
     options: Any  # the partitioner's own options dataclass, built from the section's other keys
     val_fraction: float = 0.0  # of each client's samples, held out of training for model selection
@@ -96,7 +99,7 @@ class ClientConfig:
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = option(0.0, Interval(0, 1, closed="left"))
     weight_decay: float = option(0.0, at_least(0))
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: a GPU where the client has one, else the CPU
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class StrategyConfig:
 @dataclass(frozen=True)
 class SimulationConfig:
     # How a round's client tasks execute; the strategy and the results files are the same on all
-    # three (README "Engines"). ray: Flower's virtual client engine, one ClientApp call per client.
+    # three (docs/how-to/engines.md). ray: Flower's virtual client engine, one ClientApp call per client.
     # inprocess: the same calls one after another in one process, no Ray (bit for bit ray's rounds).
     # batched: inprocess, with the torch work of a round's clients executed together (stacked).
     engine: Literal["ray", "inprocess", "batched"] = "ray"
@@ -117,8 +120,8 @@ class SimulationConfig:
     batched_memory_gb: float | None = option(None, above(0))
     # batched, on a CPU: worker threads (one torch thread each); null: one per core this process may use.
     batched_workers: int | None = option(None, at_least(1))
-    num_cpus_per_client: float = option(1.0, above(0))
-    num_gpus_per_client: float = option(0.0, at_least(0))
+    num_cpus_per_client: float = option(1.0, above(0))  # Ray resources per simulated client
+    num_gpus_per_client: float = option(0.0, at_least(0))  # e.g. 0.25 packs four clients per GPU; client.device auto uses it
     # Fault injection for robustness studies: partition id -> rounds in which its fit raises.
     fail_fit: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Late joiners: partition id -> first round in which the client is online.
@@ -132,8 +135,8 @@ class SimulationConfig:
     # process: a seed then fixes a CPU run bit for bit across CPU models and vendors.
     portable_numerics: bool = False
     # An existing Ray cluster to run the clients on: its head's HOST:PORT, as `ray start --head`
-    # prints it. null: Ray starts on this machine for this run and ends with it (see the README's
-    # "A Ray cluster of several machines").
+    # prints it. null: Ray starts on this machine for this run and ends with it (see
+    # docs/how-to/ray-cluster-gpu.md).
     ray_address: str | None = option(None, HostPort("10.0.0.1:6379"))
 
     rules = (
@@ -181,12 +184,12 @@ class ExperimentConfig:
     strategy: StrategyConfig
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    seed: int = option(0, at_least(0))
+    seed: int = option(0, at_least(0))  # partitions, model init, sampling and local shuffling derive from it
     rounds: int = option(20, at_least(1))
-    target_accuracy: float = option(0.9, Interval(0, 1))
-    output_dir: str = "outputs"
+    target_accuracy: float = option(0.9, Interval(0, 1))  # for pct_clients_over_target and rounds_to_target
+    output_dir: str = "outputs"  # each run writes <output_dir>/<timestamp>_<strategy>_<dataset>_<partition>/
     # Checkpoint every N rounds (0: only at the end), so that a stopped run resumes from its last
-    # complete round: ~5 ms per round on the default config (README "Robustness").
+    # complete round: ~5 ms per round on the default config (docs/how-to/resume-and-branch.md).
     checkpoint_every: int = option(1, at_least(0))
 
     @property

@@ -149,7 +149,7 @@ def backend_config(config: ExperimentConfig, verbose: bool) -> dict[str, Any]:
     leaves the cluster running; the clients' actors belong to this driver, and Ray ends them when it
     exits. Flower's ``ray.init`` adds ``runtime_env={"env_vars": {"PYTHONPATH": <this process's
     sys.path>}}`` (flwr 1.41), so a ``runtime_env`` here would be passed twice; other machines need
-    the package installed at the same path (see the README).
+    the package installed at the same path (see docs/how-to/ray-cluster-gpu.md).
     """
     address = config.simulation.ray_address
     return {

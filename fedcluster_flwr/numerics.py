@@ -4,7 +4,7 @@ A seed fixes a CPU run bit for bit *on one platform*: torch picks its vectorised
 CPU's instruction set (``torch.backends.cpu.get_cpu_capability()``: AVX2, AVX512, ...), and MKL
 and oneDNN pick theirs by instruction set, vendor and CPU model. Two platforms that pick
 different kernels add the same numbers in another order, so trajectories agree to about 1e-8
-relative after a few rounds, not bit for bit (see the README's "Reproducibility").
+relative after a few rounds, not bit for bit (see docs/reference/reproducibility.md).
 
 :func:`numeric_platform` names what decides those choices, so a recorded trajectory can say
 where it was recorded and a comparison can say whether bit-equality is to be expected.

@@ -1,5 +1,5 @@
 """The deployment files in deploy/: the certificate and registration scripts' output and errors,
-and the compose file checked against the README's commands. Fast: no SuperLink is started (the
+and the compose file checked against the commands of docs/how-to/deploy.md. Fast: no SuperLink is started (the
 slow tests in test_deployment.py run the scripts against real ones). Docker's engine is not needed:
 the compose file is checked by `docker compose config` where the compose plugin is installed, else
 as YAML."""
@@ -96,14 +96,17 @@ def test_registration_script_names_a_bad_argument_in_one_line(tmp_path):
         assert names in one_line_error(script(REGISTER_SUPERNODES, *args)), args
 
 
-# --- deploy/compose.yaml against the README ---------------------------------------------------
+# --- deploy/compose.yaml against the docs' deployment page --------------------------------------
 
-def readme_command(program: str) -> list[str]:
-    """The first command of the README's "Deployment on real devices" that starts with `program`,
+DEPLOY_PAGE = ROOT / "docs" / "how-to" / "deploy.md"  # the docs' "Deployment on real devices"
+
+
+def docs_command(program: str) -> list[str]:
+    """The first command of the docs' "Deployment on real devices" page that starts with `program`,
     backslash continuations joined."""
-    section = (ROOT / "README.md").read_text().split("## Deployment on real devices", 1)[1].split("\n## ", 1)[0]
+    section = DEPLOY_PAGE.read_text()
     match = re.search(rf"^{program} (?:.*\\\n)*.*$", section, re.MULTILINE)
-    assert match, f"the README's deployment section has no {program} command"
+    assert match, f"the docs' deployment page ({DEPLOY_PAGE.relative_to(ROOT)}) has no {program} command"
     return shlex.split(match.group(0).replace("\\\n", " "))
 
 
@@ -150,18 +153,18 @@ def command_of(service: dict) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else [str(token) for token in command]
 
 
-def test_compose_file_deploys_the_readmes_superlink_and_one_data_folder_per_supernode():
+def test_compose_file_deploys_the_docs_superlink_and_one_data_folder_per_supernode():
     model, checked_by = compose_model()
     services = model["services"]
     supernodes = sorted(name for name in services if name.startswith("supernode"))
     assert "superlink" in services and "register" in services and len(supernodes) >= 2, (checked_by, list(services))
 
-    # The SuperLink: the README's command (same flags: TLS, authentication, --host 0.0.0.0).
+    # The SuperLink: the docs' command (same flags: TLS, authentication, --host 0.0.0.0).
     superlink = services["superlink"]
     superlink_flags = flags(command_of(superlink))
-    readme_superlink = flags(readme_command("flower-superlink"))
-    assert set(superlink_flags) == set(readme_superlink), (superlink_flags, readme_superlink)
-    assert superlink_flags["--host"] == readme_superlink["--host"] == "0.0.0.0"
+    docs_superlink = flags(docs_command("flower-superlink"))
+    assert set(superlink_flags) == set(docs_superlink), (superlink_flags, docs_superlink)
+    assert superlink_flags["--host"] == docs_superlink["--host"] == "0.0.0.0"
     assert "--insecure" not in superlink_flags and "--enable-supernode-auth" in superlink_flags
     port = superlink_flags["--port"]
     superlink_mounts = mounts(superlink)
@@ -171,14 +174,14 @@ def test_compose_file_deploys_the_readmes_superlink_and_one_data_folder_per_supe
     published = superlink.get("ports", [])
     assert any(str(entry.get("target") if isinstance(entry, dict) else entry).endswith(port) for entry in published)
 
-    # Every SuperNode: the README's flags, dialling the service by name at the SuperLink's port,
+    # Every SuperNode: the docs' flags, dialling the service by name at the SuperLink's port,
     # with the CA, its own private key and its own data folder mounted, after the registration.
-    readme_supernode = flags(readme_command("flower-supernode"))
+    docs_supernode = flags(docs_command("flower-supernode"))
     data_folders, keys, client_ids = set(), set(), set()
     for name in supernodes:
         service = services[name]
         node_flags, node_mounts = flags(command_of(service)), mounts(service)
-        assert set(node_flags) <= set(readme_supernode), (name, node_flags, readme_supernode)
+        assert set(node_flags) <= set(docs_supernode), (name, node_flags, docs_supernode)
         assert node_flags["--superlink"] == f"superlink:{port}", name
         assert host_path(node_mounts[node_flags["--root-certificates"]]) == (DEPLOY / "certs" / "ca.crt").resolve()
         keys.add(host_path(node_mounts[node_flags["--auth-supernode-private-key"]]))

@@ -1,8 +1,8 @@
 """A real deployment: SuperLink with TLS and SuperNode authentication, registered SuperNodes on
 partitions and on an exported data folder, an unregistered one, `flwr run`, a SuperNode killed and
 restarted; on 127.0.0.1, and across a private network of two namespaces (the SuperLink's "machine"
-and the devices'), as on two machines. The commands are those of the README's "Deployment on real
-devices", the certificates come from `deploy/make_certificates.sh`; every process is started here
+and the devices'), as on two machines. The commands are those of the docs' "Deployment on real
+devices" (docs/how-to/deploy.md), the certificates come from `deploy/make_certificates.sh`; every process is started here
 and stopped here, by session, and every namespace removed, even on failure.
 """
 
@@ -124,7 +124,7 @@ REGISTER_SUPERNODES = ROOT / "deploy" / "register_supernodes.sh"
 
 
 def make_certificates(certs: Path, env: dict[str, str], superlink_host: str) -> None:
-    """README: a private CA and a server certificate naming the address the devices dial."""
+    """docs: a private CA and a server certificate naming the address the devices dial."""
     run(["bash", str(MAKE_CERTIFICATES), str(certs), superlink_host], ROOT, env | {"FEDCLUSTER_CERT_DAYS": "1"})
 
 
@@ -157,7 +157,7 @@ class PrivateNetwork:
     (with the reason) where namespaces cannot be made (not root, no `ip`, not permitted); on exit the
     namespaces are deleted, which deletes the veth pair too."""
 
-    listen_host = "0.0.0.0"  # README: every address of the SuperLink's machine, here its loopback and the veth
+    listen_host = "0.0.0.0"  # docs: every address of the SuperLink's machine, here its loopback and the veth
     superlink_host = "198.18.0.1"
     device_host = "198.18.0.2"
 
@@ -228,7 +228,7 @@ NUM_CLIENTS = 3
 
 
 class Deployment:
-    """The README's deployment, on 127.0.0.1 or on a :class:`PrivateNetwork`: certificates, device
+    """The docs' deployment (docs/how-to/deploy.md), on 127.0.0.1 or on a :class:`PrivateNetwork`: certificates, device
     keys, the exported partitions, a SuperLink with TLS and SuperNode authentication, registered
     devices; every process it starts is stopped on exit (by session, SIGTERM then SIGKILL),
     whatever happened."""
@@ -237,7 +237,7 @@ class Deployment:
                  num_clients: int = NUM_CLIENTS) -> None:
         for tool in ("openssl", "ssh-keygen"):
             if shutil.which(tool) is None:
-                pytest.skip(f"{tool} is not installed (the README's certificate and key commands use it)")
+                pytest.skip(f"{tool} is not installed (the docs' certificate and key commands use it)")
         for tool in ("flower-superlink", "flower-supernode", "flwr"):
             assert (BIN / tool).exists(), f"{tool} is not in {BIN}"
         self.flwr_home = tmp_path / "flwr_home"
@@ -254,11 +254,11 @@ class Deployment:
         self.network = network or Loopback()
         self.num_clients = num_clients
         make_certificates(self.certs, self.env, self.network.superlink_host)
-        for node in nodes:  # README: one key pair per device
+        for node in nodes:  # docs: one key pair per device
             run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(self.keys / node)], self.keys, self.env)
         self.port = free_port()
         self.address = f"{self.network.superlink_host}:{self.port}"
-        (self.flwr_home / "config.toml").write_text(  # README: the connection flwr run uses
+        (self.flwr_home / "config.toml").write_text(  # docs: the connection flwr run uses
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
             f'address = "{self.address}"\nroot-certificates = "{self.certs / "ca.crt"}"\n'
         )
@@ -275,7 +275,7 @@ class Deployment:
             raise
         return self
 
-    def start_superlink(self, name: str, host: str, port: int) -> None:  # README: the SuperLink's command
+    def start_superlink(self, name: str, host: str, port: int) -> None:  # docs: the SuperLink's command
         certs = self.certs
         self.processes.start(name, self.network.on_server([
             "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile",
@@ -286,7 +286,7 @@ class Deployment:
     def __exit__(self, *exc: object) -> None:
         self.processes.stop_all()
 
-    def register(self, node: str) -> None:  # README: flwr supernode register
+    def register(self, node: str) -> None:  # docs: flwr supernode register
         wait_for(lambda: self._register(self.keys / f"{node}.pub"), 60, f"registering {node}", 1)
 
     def _register(self, public_key: Path) -> bool:
@@ -296,7 +296,7 @@ class Deployment:
             log.write(done.stdout + done.stderr)
         return done.returncode == 0
 
-    def register_with_script(self, nodes: Sequence[str]) -> str:  # README and compose: deploy/register_supernodes.sh
+    def register_with_script(self, nodes: Sequence[str]) -> str:  # docs and compose: deploy/register_supernodes.sh
         return run(self.network.on_devices(["bash", str(REGISTER_SUPERNODES), CONNECTION,
                                             *(str(self.keys / f"{node}.pub") for node in nodes)]),
                    self.logs, self.env, timeout=120)
@@ -305,7 +305,7 @@ class Deployment:
         return f"partition-id={pid} num-partitions={self.num_clients}"
 
     def data_dir_node(self, pid: int) -> str:
-        if not self.exported.exists():  # README: fedcluster export-partitions, only for tests with data-dir devices
+        if not self.exported.exists():  # docs: fedcluster export-partitions, only for tests with data-dir devices
             run([sys.executable, "-m", "fedcluster_flwr.cli", "export-partitions", str(ROOT / "conf" / "default.yaml"),
                  str(self.exported), "--set", f"partition.num_clients={self.num_clients}"], ROOT, self.env, timeout=120)
         return f"data-dir='{self.exported / f'client_{pid}'}' client-id={pid} cluster-id={pid}"
@@ -318,7 +318,7 @@ class Deployment:
             "--node-config", self.node_configs[node],
         ]))
 
-    def flwr_run(self, rounds: int, out: Path) -> subprocess.Popen:  # README: flwr run against the deployment
+    def flwr_run(self, rounds: int, out: Path) -> subprocess.Popen:  # docs: flwr run against the deployment
         return self.processes.start(f"flwr_run_{out.name}", self.network.on_devices([
             "flwr", "run", str(ROOT), CONNECTION, "--stream", "--run-config",
             f"partition.num_clients={self.num_clients} rounds={rounds} output_dir='{out}' set='{RUN_OVERRIDES}'",
@@ -366,7 +366,7 @@ def test_tls_authenticated_deployment_trains_registered_nodes_refuses_others_and
 
 
 def test_supernodes_on_another_machine_reach_a_superlink_listening_on_all_addresses(tmp_path):
-    """Two machines, as two network namespaces: the README's SuperLink (`--host 0.0.0.0`, TLS with
+    """Two machines, as two network namespaces: the docs' SuperLink (`--host 0.0.0.0`, TLS with
     the certificate of `deploy/make_certificates.sh` for its network address, SuperNode
     authentication) in one; in the other two registered SuperNodes and an unregistered one dialling
     it at that address, and `flwr`. Also checks why `--host` is needed: a SuperLink on flwr's default

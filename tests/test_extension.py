@@ -1,4 +1,4 @@
-"""README "Adding an algorithm", walked once: a toy strategy written only against the documented
+"""The docs' "Add an algorithm" (docs/how-to/add-algorithm.md), walked once: a toy strategy written only against the documented
 hooks, with declared options, its own task and client handler, sends two named blocks to real
 clients and gets a non-model reply back, reports round metrics, a summary entry and artifacts the
 results side writes, never sees a failed client's reply, and continues bit for bit from a

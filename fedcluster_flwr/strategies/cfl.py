@@ -100,7 +100,7 @@ from .options import SHARE_OF_CLIENTS
 
 # The paper's absolute thresholds (``thresholds: absolute``), calibrated on the default digits
 # label swap (conf/default.yaml: mlp_digits, 2 epochs of SGD at lr 0.05, batch 16): see the
-# README's CFL section for the measured norms. The authors' reference notebook (EMNIST, a CNN, 1
+# docs/papers/cfl.md for the measured norms. The authors' reference notebook (EMNIST, a CNN, 1
 # epoch of SGD at lr 0.1 with momentum 0.9) uses 0.4 and 1.6; norms scale with the learning rate and
 # the number of local steps, so each setting needs its own absolute values.
 EPS1 = 0.2
