@@ -193,12 +193,14 @@ class ClusteringRecord:
                    state.get("cut", "not recorded (checkpoint older than the cut's record)"))
 
     def dendrogram(self, true_clusters: np.ndarray, threshold: float | None, title: str) -> Callable[[Path], None]:
-        """The dendrogram figure (leaves ``client:true cluster``, the cut ``threshold``), drawn when
-        called with a path."""
+        """The dendrogram figure (leaves ``client:true cluster``), drawn when called with a path, with
+        its cut: ``threshold`` where the clustering used one, else the height that leaves the clusters
+        found (a cut by number of clusters or by silhouette has no threshold of its own)."""
         from .results import plot_dendrogram
 
         labels = [f"{p}:{true_clusters[p]}" for p in self.pids]
-        return functools.partial(plot_dendrogram, self.linkage, labels, threshold, title=title)
+        return functools.partial(plot_dendrogram, self.linkage, labels, threshold, title=title,
+                                 num_clusters=self.num_clusters)
 
 
 def hierarchical_clustering(
@@ -502,12 +504,6 @@ def proximity_matrix(bases: Sequence[np.ndarray], rule: str) -> np.ndarray:
         for j in range(i + 1, count):
             proximity[i, j] = proximity[j, i] = subspace_proximity(bases[i], bases[j], rule)
     return proximity
-
-
-def largest_proximity(rule: str, num_basis: int) -> float:
-    """The largest value ``rule`` can take between two p-dimensional subspaces (degrees): the scale
-    of the proximity heat map."""
-    return {"smallest_angle": 90.0, "sum_of_angles": 90.0 * num_basis, "elementwise_min_angle": 180.0}[rule]
 
 
 def closest_cluster(distances: np.ndarray, labels: np.ndarray, linkage: str) -> int:

@@ -4,23 +4,32 @@ Under ``flwr run`` the apps run from an installed copy of this project, with the
 working directory and environment of whoever started the SuperLink; so a relative
 ``output_dir`` is placed under ``~/fedcluster/`` (logged at start), never under an
 unpredictable working directory. ``fedcluster run`` resolves paths for the user.
+
+What a ``flwr run`` logs (``app``, this module's ServerApp): a warning naming the config's options
+that have no effect there (:func:`flwr_run_notes`), and at the end the summary ``fedcluster run``
+prints (:func:`flwr_run_summary`) instead of Flower's History dump (:class:`FlwrRunLogFilter`). A
+config error is one line and fails the run (``flwr ls`` shows it ``finished:failed``); Flower's
+``flwr run --stream`` itself exits 0 whatever the run's status (flwr 1.42: it only streams logs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from logging import ERROR, INFO
+import logging
+from collections.abc import Callable, Iterator
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.common import log
+from flwr.common.logger import FLOWER_LOGGER
 from flwr.server import ServerAppComponents
 from flwr.serverapp import ServerApp
 
-from .config import ExperimentConfig
+from .cli import format_summary  # the summary `fedcluster run` prints, word for word
+from .config import ExperimentConfig, SimulationConfig
 from .data import DataError
 from .experiment import config_from_run_config, server_components
-from .results import RoundRow, run_dir_name
+from .results import RoundRow, read_summary, run_dir_name
 from .schema import ConfigError
 
 FLWR_RUN_OUTPUT_ROOT = Path.home() / "fedcluster"
@@ -39,17 +48,83 @@ def flwr_run_dir(config: ExperimentConfig, run_id: int) -> Path:
     return base / f"{name}_run{run_id}"
 
 
+# Options of the experiment config that a `flwr run` cannot honour: there the SuperLink's own runtime
+# (Flower's simulation runtime with the federation's settings, or real SuperNodes) runs the clients.
+IGNORED_UNDER_FLWR_RUN = {
+    "engine": "the SuperLink's runtime runs the clients",
+    "batched_memory_gb": "only simulation.engine batched uses it",
+    "ray_address": "Flower's simulation runtime starts its own Ray",
+    "num_cpus_per_client": "use flwr run --federation-config \"client-resources-num-cpus=N\"",
+    "num_gpus_per_client": "use flwr run --federation-config \"client-resources-num-gpus=X\"",
+}
+
+
+def flwr_run_notes(config: ExperimentConfig) -> list[str]:
+    """``simulation.KEY=value (why)`` for each option of ``config`` set away from its default that
+    has no effect under ``flwr run`` (a default says nothing the user asked for)."""
+    defaults = SimulationConfig()
+    return [
+        f"simulation.{key}={getattr(config.simulation, key)} ({why})"
+        for key, why in IGNORED_UNDER_FLWR_RUN.items()
+        if getattr(config.simulation, key) != getattr(defaults, key)
+    ]
+
+
+def flwr_run_summary(run_dir: Path) -> str:
+    """What a ``flwr run`` logs at its end: ``fedcluster run``'s summary of a finished run, or the
+    round an unfinished one stopped after and where its results are."""
+    summary = read_summary(run_dir)
+    if not summary.get("finished"):
+        done = summary.get("completed_rounds", 0)
+        return f"fedcluster: the run stopped after round {done}; its results so far are in {run_dir}"
+    return f"fedcluster: {summary.get('completed_rounds', '?')} rounds done\n{format_summary(summary, run_dir)}"
+
+
+class FlwrRunLogFilter(logging.Filter):
+    """Flower's log under ``flwr run``, made the length of ``fedcluster run``'s output: drops the
+    History dump after "[SUMMARY]" (a line per round and metric, ~300 lines for the default run;
+    the summary that follows says it in 10), and the traceback Flower logs for a config error (the
+    ServerApp already logged it in one line). Anything else, other errors included, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], RunConfigError):
+            return False
+        history_line = record.funcName == "run_fl" and record.msg == "\t%s"  # flwr/server/server.py, 1.41-1.42
+        return not history_line
+
+
+FLWR_RUN_LOG_FILTER = FlwrRunLogFilter()
+_RUN_DIRS: dict[int, Path] = {}  # run id -> its results folder: server_fn knows it, the lifespan's end reads it
+
+
 def server_fn(context: Context) -> ServerAppComponents:
     try:
         config = config_from_run_config(context.run_config)
         run_dir = flwr_run_dir(config, context.run_id)
         log(INFO, "fedcluster: %s; results in %s", config.strategy.name, run_dir)
-        return server_components(config, run_dir)
+        notes = flwr_run_notes(config)
+        if notes:
+            log(WARNING, "fedcluster: no effect under flwr run: %s", "; ".join(notes))
+        components = server_components(config, run_dir)
     except (ConfigError, DataError) as err:
         # An Exception, not SystemExit: Flower's ServerApp thread passes only Exceptions on, and
         # only then marks the run failed (a SystemExit ended the thread silently: "completed").
         log(ERROR, "fedcluster configuration error: %s", err)
         raise RunConfigError(str(err)) from None
+    _RUN_DIRS[context.run_id] = run_dir
+    return components
+
+
+def flwr_run_lifespan(context: Context) -> Iterator[None]:
+    """Around a ``flwr run``'s ServerApp: the log filter, then the summary once the rounds are over
+    (also after a failure, from what the run wrote). The filter stays on: Flower logs a failed run's
+    exception after the ServerApp has returned, and the process ends with the run."""
+    FLOWER_LOGGER.addFilter(FLWR_RUN_LOG_FILTER)  # a second add of the same filter is a no-op
+    yield
+    run_dir = _RUN_DIRS.pop(context.run_id, None)
+    if run_dir is not None:  # None: server_fn failed, and said why
+        for line in flwr_run_summary(run_dir).splitlines():
+            log(INFO, "%s", line)
 
 
 def make_server_app(
@@ -64,3 +139,4 @@ def make_server_app(
 
 
 app = ServerApp(server_fn=server_fn)
+app.lifespan()(flwr_run_lifespan)

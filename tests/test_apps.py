@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 
+import logging
+
 import pytest
-from flwr.common import Context, RecordDict
+from flwr.common import Context, RecordDict, log
+from flwr.common.logger import FLOWER_LOGGER
 from ray import cloudpickle
 
 from conftest import DEFAULT_CONFIG
+from fedcluster_flwr.cli import format_summary
 from fedcluster_flwr.client_app import ExperimentClientApp, make_client_fn
-from fedcluster_flwr.config import load_config
-from fedcluster_flwr.server_app import FLWR_RUN_OUTPUT_ROOT, RunConfigError, flwr_run_dir, server_fn
+from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.experiment import config_from_run_config
+from fedcluster_flwr.inprocess import InProcessProxy
+from fedcluster_flwr.results import read_summary
+from fedcluster_flwr.server_app import (
+    FLWR_RUN_LOG_FILTER,
+    FLWR_RUN_OUTPUT_ROOT,
+    RunConfigError,
+    app,
+    flwr_run_dir,
+    flwr_run_notes,
+    flwr_run_summary,
+    server_fn,
+)
 
 
 def context(run_config=None, node_config=None) -> Context:
@@ -60,3 +76,133 @@ def test_the_client_app_of_fedcluster_run_travels_to_ray_actors_as_its_config():
 def test_client_fn_explains_a_missing_node_config():
     with pytest.raises(ValueError, match="--node-config 'partition-id=<i> num-partitions=<n>'"):
         make_client_fn()(context(node_config={"num-partitions": 20}))
+
+
+# ---- what a `flwr run` logs: notes, the summary at the end, a config error in one line ----------------
+
+
+@pytest.fixture
+def flwr_run_log():
+    """The ServerApp's log filter is process-wide under `flwr run` (the process ends with the run);
+    in the test process it is taken off again."""
+    yield
+    FLOWER_LOGGER.removeFilter(FLWR_RUN_LOG_FILTER)
+
+
+def test_flwr_run_names_the_options_it_ignores(tmp_path, caplog):
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override("simulation.engine=inprocess"),
+                                             parse_override("simulation.num_cpus_per_client=2")])
+    notes = flwr_run_notes(config)
+    assert [note.split(" (")[0] for note in notes] == ["simulation.engine=inprocess", "simulation.num_cpus_per_client=2.0"]
+    assert "client-resources-num-cpus" in notes[1]
+    assert flwr_run_notes(load_config(DEFAULT_CONFIG)[0]) == []  # the defaults ask for nothing flwr run drops
+    with caplog.at_level(logging.WARNING):
+        server_fn(context({"set": "simulation.engine=inprocess", "strategy.name": "fedavg", "rounds": 1,
+                           "output_dir": str(tmp_path)}))
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("fedcluster: no effect under flwr run: simulation.engine=inprocess (")
+
+
+def start_grid_in_process(*, server=None, config=None, strategy=None, client_manager=None, grid=None):
+    """Flower's start_grid without a SuperLink: the same server loop (``run_fl``, which logs the
+    "[SUMMARY]" and the History dump) with the clients called in this process."""
+    from flwr.server.client_manager import SimpleClientManager
+    from flwr.server.server import Server, run_fl
+
+    experiment = config_from_run_config(SMALL_RUN_CONFIG)
+    manager = SimpleClientManager()
+    for pid in range(experiment.partition.num_clients):
+        manager.register(InProcessProxy(experiment, pid))
+    run_fl(Server(client_manager=manager, strategy=strategy), config)
+
+
+SMALL_RUN_CONFIG = {"config": "conf/default.yaml", "set": "", "rounds": 2, "partition.num_clients": 8,
+                    "strategy.name": "fedavg"}
+
+
+def test_the_flwr_run_server_app_ends_with_fedcluster_runs_summary_and_no_history_dump(tmp_path, caplog, monkeypatch,
+                                                                                       flwr_run_log):
+    monkeypatch.setattr("flwr.serverapp.server_app.start_grid", start_grid_in_process)
+    run_config = SMALL_RUN_CONFIG | {"output_dir": str(tmp_path)}
+    with caplog.at_level(logging.INFO):
+        app(None, context(run_config))
+    (run_dir,) = tmp_path.iterdir()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "History (" in m or m.startswith("\t")]  # ~20 lines per round and metric before
+    end = messages[messages.index("[SUMMARY]"):]
+    expected = format_summary(read_summary(run_dir), run_dir).splitlines()
+    assert end[-len(expected):] == expected and end[-len(expected) - 1] == "fedcluster: 2 rounds done"
+
+
+def test_a_config_error_under_flwr_run_is_one_line_and_fails_the_run(caplog, flwr_run_log):
+    with pytest.raises(RunConfigError) as raised:  # Flower marks the run failed: `flwr ls` shows finished:failed
+        app(None, context({"rounds": "abc"}))
+    log(logging.ERROR, "%s raised an exception", "Simulation", exc_info=raised.value)  # as flwr/simulation/app.py does
+    log(logging.ERROR, "%s raised an exception", "Simulation", exc_info=ValueError("a bug"))  # any other: kept whole
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == ["fedcluster configuration error: rounds: expected an integer, got 'abc'",
+                                                "Simulation raised an exception"]
+    assert errors[0].exc_info is None and isinstance(errors[1].exc_info[1], ValueError)
+
+
+def test_an_unfinished_flwr_run_says_where_it_stopped(tmp_path):
+    (tmp_path / "summary.json").write_text('{"finished": false, "completed_rounds": 3}')
+    assert flwr_run_summary(tmp_path) == f"fedcluster: the run stopped after round 3; its results so far are in {tmp_path}"
+
+
+@pytest.mark.slow
+def test_flwr_run_ends_with_the_summary_and_a_config_error_fails_the_run(tmp_path):
+    """The real thing: a SuperLink of this test's own (simulation runtime, its FLWR_HOME, stopped at
+    the end with everything it started), `flwr run --stream` once with a bad config and once with a
+    2-round run that sets an option flwr run ignores."""
+    import json
+    import os
+    import re
+    import subprocess
+
+    from conftest import ROOT
+    from test_deployment import BIN, Processes, free_port, wait_for
+
+    home, logs, out = tmp_path / "flwr_home", tmp_path / "logs", tmp_path / "out"
+    home.mkdir(), logs.mkdir()
+    env = dict(os.environ) | {"FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                              "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "e2e"\n\n[superlink.e2e]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    processes = Processes(logs, env)
+
+    def flwr(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], env=env, cwd=logs, capture_output=True, text=True, timeout=540)
+
+    def status(output: str) -> str:
+        run_id = re.search(r"Successfully started run (\d+)", output).group(1)
+        return json.dumps(json.loads(flwr("ls", "e2e", "--run-id", run_id, "--format", "json").stdout))
+
+    try:
+        processes.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
+                                      "--port", str(port)])
+        wait_for(lambda: flwr("ls", "e2e").returncode == 0, 60, "the SuperLink's port")
+        run = ("run", str(ROOT), "e2e", "--stream", "--federation-config", "num-supernodes=8", "--run-config")
+
+        bad = flwr(*run, "rounds='abc'")
+        (logs / "bad_run.out").write_text(bad.stdout + bad.stderr)  # kept for a look at what the user sees
+        assert bad.stdout.count("fedcluster configuration error: rounds: expected an integer, got 'abc'") == 1
+        assert "Traceback" not in bad.stdout + bad.stderr
+        assert "finished:failed" in status(bad.stdout)
+        # flwr 1.42's `flwr run --stream` only streams the log: it exits 0 whatever the run's status.
+        # If a Flower release changes that, the README's advice (check `flwr ls`) can be relaxed.
+        assert bad.returncode == 0
+
+        good = flwr(*run, f"rounds=2 partition.num_clients=8 strategy.name='fedavg' output_dir='{out}' "
+                          "set='simulation.engine=inprocess'")
+        (logs / "good_run.out").write_text(good.stdout + good.stderr)
+        assert good.returncode == 0, good.stdout + good.stderr
+        (run_dir,) = out.iterdir()
+        expected = format_summary(read_summary(run_dir), run_dir).splitlines()
+        lines = good.stdout.splitlines()
+        assert all(any(line.endswith(summary_line) for line in lines) for summary_line in expected)
+        assert "History (" not in good.stdout and "no effect under flwr run: simulation.engine=inprocess" in good.stdout
+        assert "finished:completed" in status(good.stdout)
+    finally:
+        processes.stop_all()

@@ -51,7 +51,6 @@ from ..clustering import (
     closest_cluster,
     cluster_square,
     cut_rule,
-    largest_proximity,
     proximity_matrix,
     subspace_proximity,
     within_and_across,
@@ -211,21 +210,22 @@ class PACFL(HierarchicalFL):
                 "threshold", "linkage")
 
     def artifacts(self) -> Artifacts:
-        """``proximity.npy`` (A in degrees over ``clustered_clients``), ``proximity.png`` (A over its
-        largest possible value, clients ordered by true cluster, the clusters found beside it) and
-        ``dendrogram.png``."""
+        """``proximity.npy`` (A in degrees over ``clustered_clients``), ``proximity.png`` (A in degrees,
+        coloured over the range of its values: the largest possible value, 90° per basis vector, is
+        far above what clients reach and left the map uniformly dark; clients ordered by true
+        cluster, the clusters found beside it) and ``dendrogram.png``."""
         if self.proximity is None or self.clustering is None:
             return {}
         opts, clustering = self.options, self.clustering
         pids = list(clustering.pids)
-        scale = largest_proximity(opts.proximity, opts.num_basis)
         title = (f"PACFL proximity ({opts.proximity}, {opts.features}, p={opts.num_basis}); "
                  f"strip: the {clustering.num_clusters} clusters found")
         files: dict[str, Any] = {
             "proximity.npy": self.proximity,
             "proximity.png": functools.partial(
-                plot_client_matrix, self.proximity / scale, self.setup.true_clusters[pids], self.setup.cluster_names,
-                title=title, colour_label=f"angle / {scale:g}°", clients=pids, found=clustering.labels,
+                plot_client_matrix, self.proximity, self.setup.true_clusters[pids], self.setup.cluster_names,
+                title=title, colour_label=f"proximity A ({opts.proximity} of principal angles), degrees",
+                clients=pids, found=clustering.labels, colour_range=None,
             ),
         }
         if len(clustering.linkage):
