@@ -53,6 +53,7 @@ def flwr_run_dir(config: ExperimentConfig, run_id: int) -> Path:
 IGNORED_UNDER_FLWR_RUN = {
     "engine": "the SuperLink's runtime runs the clients",
     "batched_memory_gb": "only simulation.engine batched uses it",
+    "batched_workers": "only simulation.engine batched uses it",
     "ray_address": "Flower's simulation runtime starts its own Ray",
     "num_cpus_per_client": "use flwr run --federation-config \"client-resources-num-cpus=N\"",
     "num_gpus_per_client": "use flwr run --federation-config \"client-resources-num-gpus=X\"",
