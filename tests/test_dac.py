@@ -211,14 +211,20 @@ def test_without_pretraining_round_one_exchanges_untrained_models(tmp_path):
     assert {client.task for client in received.values()} == {GOSSIP_TRAIN.name}
 
 
-def test_a_train_instruction_with_epochs_trains_for_that_many_epochs(monkeypatch):
-    import fedcluster_flwr.client as client_module
+def test_a_train_instruction_with_epochs_trains_for_that_many_epochs():
     from fedcluster_flwr.client import train_received_model
+    from fedcluster_flwr.training import LocalCompute
+
+    seen = []
+
+    class RecordingCompute(LocalCompute):  # how the client's torch work runs: here, recorded
+        def train(self, model, x, y, settings, *rest):
+            seen.append(settings.epochs)
+            return 0.0
 
     config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
     client = make_client(config, 0, config.partition.num_clients)
-    seen = []
-    monkeypatch.setattr(client_module, "train", lambda model, x, y, settings, *rest: seen.append(settings.epochs) or 0.0)
+    client.compute = RecordingCompute()
     model = initial_weights(config)
     train_received_model(client, TaskInput(1, {MODELS: [model]}, {}))
     train_received_model(client, TaskInput(1, {MODELS: [model]}, {protocol.EPOCHS_KEY: 5}))
