@@ -191,6 +191,10 @@ class ExperimentConfig:
     # Checkpoint every N rounds (0: only at the end), so that a stopped run resumes from its last
     # complete round: ~5 ms per round on the default config (docs/how-to/resume-and-branch.md).
     checkpoint_every: int = option(1, at_least(0))
+    # Log each round's numbers and the final summary to an experiment tracker as well (needs the pip
+    # extra of that name; docs/how-to/tracking.md): tensorboard writes <run>/tensorboard/, mlflow logs
+    # to $MLFLOW_TRACKING_URI. A resume continues the same tracker run; may change on resume.
+    tracking: Literal["none", "tensorboard", "mlflow"] = "none"
 
     @property
     def input_shape(self) -> tuple[int, int, int]:

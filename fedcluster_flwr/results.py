@@ -9,6 +9,8 @@ Layout (the results contract)::
     <run>/checkpoint/        state.json + models.npz (its arrays) of the latest checkpoint
     <run>/*.npy, *.png       the strategy's artifacts (linkage.npy, relevance.npy, similarity.npy, ...)
     <run>/branch.json        a branch only: the run and round it continues, and the changed options
+    <run>/tracking.json      with ``tracking:`` set: the tracker's run id, reopened on resume
+    <run>/tensorboard/       with ``tracking: tensorboard``: the event files
 
 Each file is written atomically (temp file + rename), so an interrupted run never
 leaves a truncated file behind; the checkpoint's two files carry their round, so a
@@ -32,6 +34,7 @@ import numpy as np
 import yaml
 
 from .schema import ConfigError
+from .tracking import Tracker, check_tracking, open_tracker
 
 RoundRow = dict[str, Any]
 
@@ -107,20 +110,24 @@ class RunRecorder:
         self.run_dir = Path(run_dir)
         self.on_round = on_round
         self.rows: list[RoundRow] = []
+        self.tracker: Tracker | None = None  # `tracking:` (fedcluster_flwr.tracking), opened by start/resume
 
     def start(self, resolved_config: Mapping[str, Any]) -> None:
         """Begin a run in an empty (or new) directory; never overwrite an earlier run."""
         if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
             raise FileExistsError(f"{self.run_dir} already holds files; results go to a new directory")
+        check_tracking(str(resolved_config.get("tracking") or "none"))  # a missing package: nothing written
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
         atomic_write(self.run_dir / "rounds.jsonl", "")
         self.write_summary({"finished": False, "completed_rounds": 0})
+        self.tracker = open_tracker(self.run_dir, resolved_config, 0)
 
     def resume(self, completed_round: int) -> None:
         """Continue a run after ``completed_round``: keep the rows up to it, drop later ones."""
         self.rows = [row for row in read_rounds(self.run_dir) if row["round"] <= completed_round]
         atomic_write(self.run_dir / "rounds.jsonl", "".join(json.dumps(row) + "\n" for row in self.rows))
+        self.tracker = open_tracker(self.run_dir, read_run_config(self.run_dir), completed_round)
 
     def log_round(self, row: RoundRow) -> None:
         row = json_ready(row)
@@ -129,11 +136,15 @@ class RunRecorder:
         # (a buffered file writes a row longer than its 8 KiB buffer in pieces).
         with open(self.run_dir / "rounds.jsonl", "ab", buffering=0) as handle:
             handle.write((json.dumps(row) + "\n").encode())
+        if self.tracker is not None:  # after the file: a tracker never holds up or loses a row
+            self.tracker.log_round(row)
         if self.on_round is not None:
             self.on_round(row)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         atomic_write(self.run_dir / "summary.json", json.dumps(json_ready(summary), indent=2) + "\n")
+        if self.tracker is not None:
+            self.tracker.log_summary(json_ready(summary))
 
     def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """``checkpoint/state.json`` and ``checkpoint/models.npz``: the tree ``checkpoint`` (dicts,

@@ -53,6 +53,7 @@ from .results import (
     read_rounds,
 )
 from .schema import ConfigError, require
+from .tracking import check_tracking
 
 
 class RunFailed(RuntimeError):
@@ -242,6 +243,7 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
 
     if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
         raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
+    check_tracking(config.tracking)  # a missing tracker package: one line, before anything starts
     configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)
     check_ray_address(config)
@@ -296,7 +298,7 @@ def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
 
 # Keys a resume may change in place: they choose how a round's clients execute (a checkpoint moves
 # between engines), not what the rounds compute.
-EXECUTION_KEYS = ("simulation.engine", "simulation.batched_memory_gb", "simulation.batched_workers")
+EXECUTION_KEYS = ("simulation.engine", "simulation.batched_memory_gb", "simulation.batched_workers", "tracking")
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,7 @@ def plan_continuation(
         out is not None or all(key in EXECUTION_KEYS for key, _ in parsed),
         "--set",
         "changed options need --out NEW_DIR: RUN_DIR keeps the run as it ran and the changed continuation is a branch "
-        f"of it (only {', '.join(EXECUTION_KEYS)}, which change how the rounds execute, not what they compute, "
+        f"of it (only {', '.join(EXECUTION_KEYS)}, which change how the rounds execute or are logged, not what they compute, "
         "may change in place)",
     )
     require(rounds is None or rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")
