@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue a copy of the run here (a branch) and leave RUN_DIR as it is")
     resume.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="with --out: change an option for the continuation, e.g. --set strategy.threshold=250 (repeatable); "
-                        "without it only simulation.engine / batched_memory_gb / batched_workers")
+                        "without it only simulation.engine / batched_memory_gb / batched_workers and tracking")
     resume.add_argument("--no-progress", action="store_true", help="no progress bar")
     resume.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     resume.set_defaults(func=cmd_resume)
