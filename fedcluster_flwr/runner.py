@@ -296,8 +296,8 @@ def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
         return False
 
 
-# Keys a resume may change in place: they choose how a round's clients execute (a checkpoint moves
-# between engines), not what the rounds compute.
+# Keys a resume may change in place: how a round's clients execute (a checkpoint moves between
+# engines) and where metrics are also sent, not what the rounds compute.
 EXECUTION_KEYS = ("simulation.engine", "simulation.batched_memory_gb", "simulation.batched_workers", "tracking")
 
 
