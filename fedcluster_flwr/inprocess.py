@@ -96,7 +96,7 @@ def batched_rendezvous(config: ExperimentConfig) -> Rendezvous:
         memory_bytes=default_memory_bytes(device) if memory is None else int(memory * 1024**3),
         workers=(config.simulation.batched_workers or cpu_threads()) if device.type == "cpu" else 1,
     )
-    return Rendezvous(lambda batch: execute(batch, policy))
+    return Rendezvous(lambda batch: execute(batch, policy), close=policy.close)
 
 
 def run_in_process(
@@ -124,13 +124,17 @@ def run_in_process(
         )
         strategy = components.strategy
         rendezvous = batched_rendezvous(config) if batched else None
-        manager = SimpleClientManager()
-        for pid in range(config.partition.num_clients):
-            manager.register(InProcessProxy(config, pid, rendezvous))
-        for server_round in range(1, components.config.num_rounds + 1):
-            results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
-            strategy.aggregate_fit(server_round, results, failures)
-            instructions = strategy.configure_evaluate(server_round, None, manager)
-            if instructions:  # as Flower's server: no evaluation round without instructions
-                strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate", rendezvous))
+        try:
+            manager = SimpleClientManager()
+            for pid in range(config.partition.num_clients):
+                manager.register(InProcessProxy(config, pid, rendezvous))
+            for server_round in range(1, components.config.num_rounds + 1):
+                results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
+                strategy.aggregate_fit(server_round, results, failures)
+                instructions = strategy.configure_evaluate(server_round, None, manager)
+                if instructions:  # as Flower's server: no evaluation round without instructions
+                    strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate", rendezvous))
+        finally:
+            if rendezvous is not None:
+                rendezvous.close()
     return strategy

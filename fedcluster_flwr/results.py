@@ -127,7 +127,15 @@ class RunRecorder:
         """Continue a run after ``completed_round``: keep the rows up to it, drop later ones."""
         self.rows = [row for row in read_rounds(self.run_dir) if row["round"] <= completed_round]
         atomic_write(self.run_dir / "rounds.jsonl", "".join(json.dumps(row) + "\n" for row in self.rows))
-        self.tracker = open_tracker(self.run_dir, read_run_config(self.run_dir), completed_round)
+        self.tracker = open_tracker(self.run_dir, self._written_config(), completed_round)
+
+    def _written_config(self) -> Mapping[str, Any]:
+        """The config this run wrote at its start, as plain data (its ``tracking`` key says what
+        to reopen). Validating it is the resume's job, done before; a recorder in a directory
+        without one (a strategy driven by a test) tracks nothing."""
+        path = self.run_dir / "config.yaml"
+        written = yaml.safe_load(path.read_text()) if path.is_file() else None
+        return written if isinstance(written, dict) else {}
 
     def log_round(self, row: RoundRow) -> None:
         row = json_ready(row)

@@ -18,6 +18,7 @@ import yaml
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.engines import batched as batched_module
 from fedcluster_flwr.engines.batched import Rendezvous, Request
 from fedcluster_flwr.engines.stacked import ClientBatchData, evaluate_stacked, train_stacked
 from fedcluster_flwr.inprocess import run_in_process
@@ -109,6 +110,7 @@ def test_stacked_evaluation_is_each_clients_own_evaluation_padding_left_out():
 
 
 def test_rendezvous_runs_all_parked_requests_together_and_a_failing_client_fails_alone():
+    threads_before = threading.active_count()
     batches: list[list[int]] = []
 
     def execute(batch: list[Request]) -> None:
@@ -129,7 +131,7 @@ def test_rendezvous_runs_all_parked_requests_together_and_a_failing_client_fails
     assert outcomes[0] == (True, [0, 0]) and outcomes[1] == (True, [10]) and outcomes[3] == (True, [30, 30])
     assert outcomes[2][0] is False and "client 2 fails" in str(outcomes[2][1])
     assert batches == [[0, 1, 3], [0, 3]]  # first everyone's first request, then the two with a second
-    assert threading.active_count() < 10  # the clients' threads have ended
+    assert threading.active_count() == threads_before  # the clients' threads have ended
 
 
 def test_a_checkpoint_moves_between_engines(tmp_path):
@@ -183,11 +185,13 @@ def test_fedcluster_runs_on_one_engine_and_resumes_in_place_on_another(tmp_path)
     assert refused.returncode != 0 and "only simulation.engine" in refused.stderr
 
 
-def test_batched_runs_are_bit_for_bit_repeatable(tmp_path):
-    # Two workers on a CPU; which worker runs which stack must not matter.
-    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=6", "simulation.engine=batched",
-                                                                         "strategy.rounds_before_clustering=3")])
+def test_batched_runs_are_bit_for_bit_repeatable_and_end_their_workers(tmp_path, monkeypatch):
+    # Two workers on a CPU, even for this small conf; which worker runs which stack must not matter.
+    monkeypatch.setattr(batched_module, "WORK_FOR_WORKERS", 0)
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (
+        "rounds=6", "simulation.engine=batched", "simulation.batched_workers=2", "strategy.rounds_before_clustering=3")])
     first, second = run_in_process(config, tmp_path / "first"), run_in_process(config, tmp_path / "second")
+    assert not [t for t in threading.enumerate() if t.name.startswith("batched-worker")]
     assert_same_state(rows_without_timing(second.setup.recorder.rows), rows_without_timing(first.setup.recorder.rows))
     assert first.models.keys() == second.models.keys()
     for a, b in zip(first.models.values(), second.models.values()):

@@ -82,8 +82,9 @@ class Rendezvous:
     """Runs callables in threads of their own; a thread that :meth:`submit`\\ s a request waits until
     every thread is waiting or finished, then all waiting requests execute (``execute``) at once."""
 
-    def __init__(self, execute: Callable[[list[Request]], None]) -> None:
+    def __init__(self, execute: Callable[[list[Request]], None], close: Callable[[], None] = lambda: None) -> None:
         self._execute = execute
+        self.close = close  # ends what ``execute`` keeps between batches (the engine's workers)
         self._condition = threading.Condition()
         self._running = 0
         self._parked: list[Request] = []
@@ -160,10 +161,16 @@ class BatchPolicy:
     _pool: ThreadPoolExecutor | None = None
 
     def pool(self) -> ThreadPoolExecutor:
-        """The workers, started once per run (daemon threads of the executor, ended with the process)."""
+        """The workers, started at the run's first batch large enough for them (:meth:`close` ends them)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="batched-worker")
         return self._pool
+
+    def close(self) -> None:
+        """End the workers: a process that runs many experiments must not collect idle threads."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def stacks(self, request: Request) -> bool:
         if not can_stack(request.model):
