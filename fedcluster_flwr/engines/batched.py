@@ -79,8 +79,9 @@ class Request:
 
 
 class Rendezvous:
-    """Runs callables in threads of their own; a thread that :meth:`submit`\\ s a request waits until
-    every thread is waiting or finished, then all waiting requests execute (``execute``) at once."""
+    """Runs callables in threads of their own, one at a time (a baton passes between them); a
+    thread that submits a request waits until every thread is waiting or finished, then all
+    waiting requests execute (``execute``) at once."""
 
     def __init__(self, execute: Callable[[list[Request]], None], close: Callable[[], None] = lambda: None) -> None:
         self._execute = execute
@@ -89,6 +90,12 @@ class Rendezvous:
         self._running = 0
         self._parked: list[Request] = []
         self._requests = 0
+        # Only the thread holding the baton runs handler code; it passes it on when it parks or
+        # ends. The handlers then never interleave (CPython 3.11's ast module, lazy imports and much
+        # library code are not safe to run from several threads at once: seen as "SystemError: AST
+        # constructor recursion depth mismatch" in one client), and the threads are coroutines in all
+        # but name. The torch work itself runs on the workers, outside the baton.
+        self._baton = threading.Lock()
         self._unbatched_said: set[str] = set()
 
     def run_all(self, calls: Sequence[Callable[[], Any]], task: str = "") -> list[tuple[bool, Any]]:
@@ -100,6 +107,7 @@ class Rendezvous:
             self._requests = 0
 
         def body(i: int, call: Callable[[], Any]) -> None:
+            self._baton.acquire()
             try:
                 outcomes[i] = (True, call())
             except BaseException as err:  # noqa: BLE001 - the caller decides; a failed client is a failure
@@ -108,6 +116,7 @@ class Rendezvous:
                 with self._condition:
                     self._running -= 1
                     self._execute_if_all_wait()
+                self._baton.release()
 
         threads = [threading.Thread(target=body, args=(i, call), daemon=True) for i, call in enumerate(calls)]
         for thread in threads:
@@ -125,8 +134,10 @@ class Rendezvous:
             self._parked.append(request)
             self._running -= 1
             self._execute_if_all_wait()
+            self._baton.release()
             while not request.done:
                 self._condition.wait()
+        self._baton.acquire()
         if request.error is not None:
             raise request.error
         return request.result
