@@ -3,7 +3,7 @@ handlers ask for (local training, evaluation, a model's loss on the client's dat
 all of them together.
 
 How, without a second copy of any algorithm: every client task's handler runs unchanged, each in a
-thread of its own (:class:`Rendezvous`). When a handler asks its client's :class:`BatchedCompute`
+thread of its own, one handler at a time (:class:`Rendezvous`). When a handler asks its client's :class:`BatchedCompute`
 to train or evaluate a model, the request is parked and the thread waits. Once every handler of
 the round is either waiting or done, the parked requests execute together (:func:`execute`):
 requests of one kind on one architecture and device, with equal training settings, run stacked
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..training import TrainSettings, evaluate, train
+from ..training import LocalCompute, TrainSettings, evaluate, train
 from .stacked import ClientBatchData, architecture_key, can_stack, evaluate_stacked, train_stacked
 
 log = logging.getLogger("fedcluster")
@@ -268,7 +268,7 @@ def _run_stacked(requests: list[Request]) -> None:
         request.result, request.done = result, True
 
 
-class BatchedCompute:
+class BatchedCompute(LocalCompute):
     """A client's torch work on the batched engine: parked with the round's others (see the module)."""
 
     def __init__(self, rendezvous: Rendezvous, pid: int) -> None:

@@ -68,10 +68,8 @@ class ClientBatchData:
 
 
 def _stack_parameters(models: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
-    names = [name for name, _ in models[0].named_parameters()]
-    return {
-        name: torch.stack([dict(m.named_parameters())[name].detach() for m in models]).to(device) for name in names
-    }
+    per_model = [dict(m.named_parameters()) for m in models]
+    return {name: torch.stack([p[name].detach() for p in per_model]).to(device) for name in per_model[0]}
 
 
 def _write_back(models: Sequence[nn.Module], stacked: dict[str, torch.Tensor]) -> None:
