@@ -389,7 +389,9 @@ def relevance_row(
         projected = np.linalg.norm(gram @ vectors.T, axis=0)  # eq. 2
         compared = own_values[: len(vectors)] if eigenvalues is None else np.asarray(eigenvalues[j], dtype=np.float64)
         eps = floor * max(float(compared.max(initial=0.0)), float(projected.max(initial=0.0)), np.finfo(float).tiny)
-        ratios = (np.minimum(compared, projected) + eps) / (np.maximum(compared, projected) + eps)  # eq. 3
+        smaller, larger = np.minimum(compared, projected) + eps, np.maximum(compared, projected) + eps
+        # eq. 3; at floor 0 past the Gram matrix's rank both sides are 0: no variance on either, equal
+        ratios = np.divide(smaller, larger, out=np.ones_like(larger), where=larger > 0)
         with np.errstate(divide="ignore"):  # floor 0 (no guard) may take log(0) = -inf: r = 0
             row[j] = float(np.exp(np.mean(np.log(ratios))))  # eq. 4
     return row

@@ -127,6 +127,17 @@ FEATURE_CONFIG = {FEATURES_KEY: "identity", FEATURE_DIM_KEY: 64, FEATURE_SEED_KE
 SHARING = FEATURE_CONFIG | {SHARE_EIGENVALUES_KEY: True}  # relevance: amiri
 
 
+def test_eq_3_unguarded_past_the_gram_matrixs_rank_compares_no_variance_with_no_variance():
+    """floor 0: directions of no variance at all (constant pixels: exact zeros, as in digits) have
+    eigenvalue 0 and projection 0; 0/0 is a perfect match, not NaN, so r(i, i) stays 1 and a row
+    stays finite."""
+    gram = np.diag([4.0, 2.0, 1.0, 0.0, 0.0])  # rank 3 in 5 dimensions
+    row = relevance_row(gram, [np.eye(5), np.eye(5)[[0, 1, 3, 4, 2]]], floor=0.0)
+    assert np.isfinite(row).all()
+    assert row[0] == 1.0
+    assert row[1] == 0.0  # the other client's 3rd direction has none of i's variance: unguarded, 0
+
+
 def test_gram_eigen_returns_the_top_eigenpairs_in_descending_order(label_group_config):
     client = make_client(label_group_config, 0, 20)
     output = top_gram_eigenpairs(client, TaskInput(1, {}, SHARING | {NUM_EIGENVECTORS_KEY: 5}))
