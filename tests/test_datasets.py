@@ -122,7 +122,8 @@ def test_rotation_fill_of_the_corners_of_a_45_degree_rotation(fill, corner):
 
 
 def test_rotation_fill_is_the_same_for_multiples_of_90_degrees(digits):
-    """No corner is left by 90/180/270 degrees: both fills give the same bits."""
+    """No corner is left by 90/180/270 degrees: rotating after normalising (normalized_zero) and
+    before (black) give the same bits, as a permutation of the pixels commutes with normalising."""
     idx = np.arange(5)
     for degrees in (90.0, 180.0, 270.0):
         grey, _ = digits.tensors(idx, ClientTransform(rotation=degrees, rotation_fill="normalized_zero"))

@@ -72,10 +72,9 @@ class DatasetPool:
         # long, and a client is built for every message it gets (client_fn runs every round)
         x = self.images.index_select(0, index).to(torch.float32).div_(self.scale)
         y = torch.as_tensor(self.labels[indices], dtype=torch.long)
-        # a multiple of 90 degrees is a permutation of the pixels, no corner to fill: it keeps the
-        # former order (rotate, then normalize), which gives the same bits as the other
-        after = transform.rotation % 90 != 0 and transform.rotation_fill == "normalized_zero"
-        if transform.rotation % 360 and not after:
+        rotated = transform.rotation % 360 != 0
+        after = rotated and transform.rotation_fill == "normalized_zero"
+        if rotated and not after:
             x = rotate(x, transform.rotation)  # before normalizing: corners are raw 0 (black)
         if transform.label_map is not None:
             y = torch.as_tensor(transform.label_map, dtype=torch.long)[y]
