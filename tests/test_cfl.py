@@ -317,14 +317,43 @@ def test_cfl_finds_the_four_label_swap_groups_of_the_default_config(tmp_path):
     assert rows[-1]["mean_client_accuracy"] > rows[strategy.splits[0].round - 1]["mean_client_accuracy"]
 
 
+HELD_OUT = ["strategy.name=cfl", "partition.num_clients=18", "partition.num_groups=3", "strategy.client_fraction=1.0",
+            "rounds=30"]
+
+
+def held_out_run(tmp_path, *extra: str) -> dict:
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*HELD_OUT, *extra)])
+    return run_in_process(config, tmp_path / "run").setup.recorder.rows[-1]
+
+
 def test_cfl_relative_thresholds_find_three_groups_of_a_held_out_case(tmp_path):
     """The held-out case of issue #33 (not the default config's, on which the defaults were
     calibrated): digits label swap, 18 clients in 3 groups, every client every round, 30 rounds.
     The default relative thresholds find the 3 groups and do not split them further."""
-    overrides = ["strategy.name=cfl", "partition.num_clients=18", "partition.num_groups=3",
-                 "strategy.client_fraction=1.0", "rounds=30"]
-    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in HELD_OUT])
     assert config.strategy.options.thresholds == "relative"
-    strategy = run_in_process(config, tmp_path / "run")
-    last = strategy.setup.recorder.rows[-1]
+    last = held_out_run(tmp_path)
     assert last["ari"] >= 0.9 and last["num_clusters"] == 3
+
+
+@pytest.mark.parametrize("lr", [0.02, 0.15])
+def test_relative_thresholds_follow_the_update_scale_where_absolute_ones_do_not(tmp_path, lr):
+    """The same case with smaller or larger steps (client.lr): the update norms scale with them, so
+    the absolute ε calibrated at lr 0.05 never split (lr 0.02) or split the groups apart (0.15, 9
+    clusters), while the relative ε find the 3 groups at both."""
+    relative = held_out_run(tmp_path / "relative", f"client.lr={lr}")
+    assert relative["ari"] >= 0.9 and relative["num_clusters"] == 3
+    absolute = held_out_run(tmp_path / "absolute", f"client.lr={lr}", "strategy.thresholds=absolute")
+    assert absolute["ari"] < 0.9
+
+
+def test_a_checkpoint_split_before_relative_thresholds_existed_is_not_resumed_as_relative(tmp_path):
+    """Its splits followed the absolute ε and it holds no update scale S: resumed under relative
+    thresholds ε would be 0 and no cluster would split again, so the resume says what to set."""
+    strategy = cfl(tmp_path / "a", 4)
+    drive_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    old = deepcopy(strategy.state_dict())
+    del old["norm_scale"]
+    with pytest.raises(ConfigError, match=r"^strategy\.thresholds: .*thresholds: absolute"):
+        cfl(tmp_path / "b", 4, CFLOptions()).load_state_dict(old)
+    cfl(tmp_path / "c", 4).load_state_dict(deepcopy(old))  # absolute: resumes as it ran

@@ -94,7 +94,7 @@ from flwr.common import NDArrays, log
 
 from ..clustering import bipartition, flatten
 from ..protocol import MODEL, TRAIN
-from ..schema import NoMoreThan, above, at_least, option
+from ..schema import ConfigError, NoMoreThan, above, at_least, option
 from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import SHARE_OF_CLIENTS
 
@@ -345,7 +345,15 @@ class CFL(ClusteredStrategy):
         self.next_cluster = int(state["next_cluster"])
         self.unplaced = {int(p): int(c) for p, c in state["unplaced"].items()}
         self.parent_models = {int(c): list(m) for c, m in state["parent_models"].items()}
-        self.norm_scale = float(state.get("norm_scale", 0.0))  # checkpoints before relative thresholds: none
+        if "norm_scale" not in state and self.splits and self.options.thresholds == "relative":
+            # written before strategy.thresholds existed: its splits followed the absolute ε, and S,
+            # never measured, would be 0 from here on (ε1 = ε2 = 0: no cluster would split again)
+            raise ConfigError(
+                "strategy.thresholds",
+                "the checkpoint's clusters were split with absolute ε (it predates relative thresholds); "
+                "add 'thresholds: absolute' under strategy in the run's config.yaml and resume again",
+            )
+        self.norm_scale = float(state.get("norm_scale", 0.0))
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
