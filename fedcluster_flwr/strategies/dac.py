@@ -116,7 +116,8 @@ class PENSOptions(GossipOptions):
     selection_rounds: int = option(10, at_least(1))
     # peers drawn per selection round; null: num_neighbours, as the DAC reference's PENS baseline
     # (utils.py train_pens draws n_sampled in both phases). Onoszko et al.'s own code draws
-    # n_clients_to_consider = 20 (guskarls/dfl-pens main.py) and gossips with n_neighbours = m = 2.
+    # n_clients_to_consider = 20 (guskarls/dfl-pens main.py), keeps m = 2, then gossips with up to
+    # n_neighbours = 20 of the kept (train_functions.py train_edu, phase 2).
     selection_candidates: int | None = option(None, at_least(1), note="null: num_neighbours")
 
     experiment_rules = (LessThan("selection_candidates", "partition.num_clients", why="a client never draws itself"),)
@@ -464,10 +465,12 @@ class PENS(Gossip):
     ``train_edu``) differs:
 
     * n: it scores ``n_clients_to_consider`` = 20 random peers per selection round and keeps the
-      m = ``n_neighbours`` = 2 best; afterwards it gossips with m = 2 of the kept ones per round.
+      m = ``n_neighbours`` = 2 best; afterwards (``train_edu``'s second phase sets ``n_neighbours =
+      20``) it gossips with up to 20 of the kept ones per round, as many as there are below that.
       This changes the selection materially (a 20-client cluster among 100 sees at least two of its
       own among 5 candidates in 24 % of the rounds, among 20 in 94 %: hypergeometric), so it is an
-      option here: ``selection_candidates: 20`` with ``num_neighbours: 2``.
+      option here: ``selection_candidates: 20``, ``num_kept: 2``, ``num_neighbours: 20`` (capped at
+      the kept set's size, as there).
     * direction: it evaluates client i's *own* model on candidate j's training data (ours and the
       DAC reference: j's model on i's data). Not an option: here a client holds only its own data,
       so it would need a task in which j scores i's model; documented instead.
