@@ -16,6 +16,8 @@ that continues it, and exits with 128 + the signal (130, 143, 129), nothing of i
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,8 +26,9 @@ from typing import Any
 from . import runner
 from .config import ConfigWarning, ExperimentConfig, config_to_dict, keys_set_in, load_config, parse_override
 from .data import DataError
-from .results import RoundRow, atomic_write, plot_comparison, read_summary, run_dir_name
-from .schema import ConfigError, InRegistry, config_keys
+from .files import atomic_write
+from .results import RoundRow, format_summary, plot_comparison, read_summary, run_dir_name
+from .schema import ConfigError, InRegistry, config_keys, lookup
 from .strategies import STRATEGIES
 
 EXIT_USER_ERROR = 2
@@ -57,38 +60,6 @@ class ConsoleProgress:
 
     def close(self) -> None:
         self._tqdm.close()
-
-
-def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
-    def pct(value: Any) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f} %"
-
-    reached = summary.get("rounds_to_target")
-    over = "n/a" if summary.get("pct_clients_over_target") is None else f"{summary['pct_clients_over_target']:.1f} %"
-    target = summary.get("target_accuracy")
-    def by_cluster(key: str) -> str:
-        clusters = summary.get(key) or {}
-        text = "  ".join(f"{k}: {pct(v)}" for k, v in list(clusters.items())[:12])
-        return text + (f"  ... ({len(clusters)} clusters)" if len(clusters) > 12 else "")
-
-    scores = ", ".join(
-        f"{name} {summary[key]:.2f}" for key, name in (("purity", "purity"), ("ari", "ARI"), ("nmi", "NMI"))
-        if summary.get(key) is not None
-    )
-    lines = [
-        f"  mean client accuracy   {pct(summary.get('mean_client_accuracy'))} "
-        f"(best {pct(summary.get('best_mean_client_accuracy'))})",
-        f"  clients over target    {over} (target {target:g}; the mean "
-        f"{f'reached it at round {reached}' if reached else 'never reached the target'})",
-        f"  clusters               {summary.get('num_clusters')} ({scores})",
-        f"  per-cluster accuracy   {by_cluster('per_cluster_accuracy')}",
-        f"  per true cluster       {by_cluster('per_true_cluster_accuracy')}",
-        f"  communication          up {summary['bytes_up'] / 1e6:.1f} MB, down {summary['bytes_down'] / 1e6:.1f} MB",
-        f"  failures               {summary['fit_failures']} failed fits, {summary['rejected_updates']} rejected updates",
-        f"  wall time              {summary['wall_seconds']:.1f} s",
-        f"  results                {run_dir}",
-    ]
-    return "\n".join(lines)
 
 
 def _load(args: argparse.Namespace) -> ExperimentConfig:
@@ -197,7 +168,11 @@ def _compare_one(config: ExperimentConfig, run_dir: Path, args: argparse.Namespa
     if not (run_dir.is_dir() and any(run_dir.iterdir())):
         return runner.run_experiment(config, run_dir, progress=progress, verbose=args.verbose)
     earlier, _ = load_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else (None, [])
-    changed = None if earlier is None else runner.first_difference(config_to_dict(earlier), config_to_dict(config), "")
+    # how the rounds execute may differ (a stopped comparison finished on another engine), not what they compute
+    execution = {key: lookup(config, key) for key in runner.EXECUTION_KEYS}
+    changed = None if earlier is None else runner.first_difference(
+        without_keys(config_to_dict(earlier), runner.EXECUTION_KEYS),
+        without_keys(config_to_dict(config), runner.EXECUTION_KEYS), "")
     if earlier is None or changed is not None:
         what = "no config.yaml" if earlier is None else f"a run whose {changed.lstrip('.')} differs from this comparison's"
         raise ConfigError("--out", f"{run_dir} holds {what}: give a new --out, or the options of the comparison it holds")
@@ -205,8 +180,21 @@ def _compare_one(config: ExperimentConfig, run_dir: Path, args: argparse.Namespa
     if summary.get("finished") is True:
         print(f"  already finished in {run_dir}; kept")
         return summary
-    continuation = runner.plan_continuation(run_dir)  # a run stopped before its first checkpoint is refused here
+    moved = [f"{key}={json.dumps(value)}" for key, value in execution.items() if lookup(earlier, key) != value]
+    continuation = runner.plan_continuation(run_dir, overrides=moved)  # refuses a run stopped before its first checkpoint
     return runner.continue_run(continuation, progress=progress, verbose=args.verbose)
+
+
+def without_keys(tree: dict[str, Any], dotted_keys: Sequence[str]) -> dict[str, Any]:
+    """A copy of a config tree without the values at ``dotted_keys``."""
+    tree = copy.deepcopy(tree)
+    for dotted in dotted_keys:
+        *path, last = dotted.split(".")
+        node = tree
+        for part in path:
+            node = node.get(part, {})
+        node.pop(last, None)
+    return tree
 
 
 def comparison_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -286,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue a copy of the run here (a branch) and leave RUN_DIR as it is")
     resume.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="with --out: change an option for the continuation, e.g. --set strategy.threshold=250 (repeatable); "
-                        "without it only simulation.engine / batched_memory_gb / batched_workers and tracking")
+                        f"without it only {', '.join(runner.EXECUTION_KEYS)}")
     resume.add_argument("--no-progress", action="store_true", help="no progress bar")
     resume.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     resume.set_defaults(func=cmd_resume)

@@ -56,16 +56,21 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[tuple[str, 
 
 
 @functools.lru_cache(maxsize=8)
-def _config_from_items(items: tuple[tuple[str, Any], ...]) -> ExperimentConfig:
+def _config_from_items(items: tuple[tuple[str, Any], ...]) -> tuple[ExperimentConfig, tuple[str, ...]]:
     run_config = dict(items)
     path = resolve_config_path(str(run_config.get(RUN_CONFIG_FILE_KEY, "conf/default.yaml")))
-    config, _ = load_config(path, overrides_from_run_config(run_config), strict=True)
-    return config
+    config, notes = load_config(path, overrides_from_run_config(run_config), strict=True)
+    return config, tuple(notes)
 
 
 def config_from_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
     """The experiment config of a ``flwr run`` (cached: client_fn runs every round)."""
-    return _config_from_items(tuple(sorted(run_config.items())))
+    return _config_from_items(tuple(sorted(run_config.items())))[0]
+
+
+def run_config_notes(run_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The notes and warnings reading that config gave (ignored keys, fewer clients than groups)."""
+    return _config_from_items(tuple(sorted(run_config.items())))[1]
 
 
 @functools.lru_cache(maxsize=4)
@@ -166,9 +171,10 @@ def server_components(
     resumed or branched."""
     use_configured_numerics(config)
     _, partition = experiment_data(config)
-    recorder = RunRecorder(run_dir, on_round)
+    resolved = config_to_dict(config)
+    recorder = RunRecorder(run_dir, on_round, resolved)
     if not resume:
-        recorder.start(config_to_dict(config))
+        recorder.start(resolved)
     model = initial_model(config)
     setup = StrategySetup(
         initial_weights=get_weights(model),

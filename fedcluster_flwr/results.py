@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -33,8 +32,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from .files import atomic_write, mkstemp_public
 from .schema import ConfigError
-from .tracking import Tracker, check_tracking, open_tracker
+from .tracking import TRACKING_FILE, Tracker, branch_record, check_tracking, open_tracker
 
 RoundRow = dict[str, Any]
 
@@ -60,30 +60,6 @@ def json_ready(value: Any) -> Any:
     return value
 
 
-def _current_umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; it is put back at once
-    os.umask(mask)
-    return mask
-
-
-def mkstemp_public(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
-    """``tempfile.mkstemp`` with the mode an ordinary file gets (0o666 less the umask: 0644 under
-    the usual 022), not mkstemp's private 0600: result files are renamed into place and meant to
-    be read by others (a shared results folder, a web server)."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
-    os.fchmod(fd, 0o666 & ~_current_umask())
-    return fd, tmp
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, mode) as handle:
-        handle.write(data)
-    os.replace(tmp, path)
-
-
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """``summary.json`` of ``run_dir``: a JSON object (``"finished": true`` once the run ended)."""
     path = Path(run_dir) / "summary.json"
@@ -98,6 +74,39 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def format_summary(summary: Mapping[str, Any], run_dir: Path) -> str:
+    """A finished run's summary as `fedcluster run` (and a `flwr run` at its end) prints it."""
+    def pct(value: Any) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f} %"
+
+    reached = summary.get("rounds_to_target")
+    over = "n/a" if summary.get("pct_clients_over_target") is None else f"{summary['pct_clients_over_target']:.1f} %"
+    target = summary.get("target_accuracy")
+    def by_cluster(key: str) -> str:
+        clusters = summary.get(key) or {}
+        text = "  ".join(f"{k}: {pct(v)}" for k, v in list(clusters.items())[:12])
+        return text + (f"  ... ({len(clusters)} clusters)" if len(clusters) > 12 else "")
+
+    scores = ", ".join(
+        f"{name} {summary[key]:.2f}" for key, name in (("purity", "purity"), ("ari", "ARI"), ("nmi", "NMI"))
+        if summary.get(key) is not None
+    )
+    lines = [
+        f"  mean client accuracy   {pct(summary.get('mean_client_accuracy'))} "
+        f"(best {pct(summary.get('best_mean_client_accuracy'))})",
+        f"  clients over target    {over} (target {target:g}; the mean "
+        f"{f'reached it at round {reached}' if reached else 'never reached the target'})",
+        f"  clusters               {summary.get('num_clusters')} ({scores})",
+        f"  per-cluster accuracy   {by_cluster('per_cluster_accuracy')}",
+        f"  per true cluster       {by_cluster('per_true_cluster_accuracy')}",
+        f"  communication          up {summary['bytes_up'] / 1e6:.1f} MB, down {summary['bytes_down'] / 1e6:.1f} MB",
+        f"  failures               {summary['fit_failures']} failed fits, {summary['rejected_updates']} rejected updates",
+        f"  wall time              {summary['wall_seconds']:.1f} s",
+        f"  results                {run_dir}",
+    ]
+    return "\n".join(lines)
+
+
 def run_dir_name(strategy: str, dataset: str, partition: str) -> str:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return f"{stamp}_{strategy}_{dataset}_{partition}"
@@ -106,9 +115,12 @@ def run_dir_name(strategy: str, dataset: str, partition: str) -> str:
 class RunRecorder:
     """Writes a run's results contract as the rounds go by."""
 
-    def __init__(self, run_dir: Path, on_round: Callable[[RoundRow], None] | None = None):
+    def __init__(
+        self, run_dir: Path, on_round: Callable[[RoundRow], None] | None = None, config: Mapping[str, Any] | None = None
+    ):
         self.run_dir = Path(run_dir)
         self.on_round = on_round
+        self.config = config or {}  # the resolved config, as plain data: its ``tracking`` is opened
         self.rows: list[RoundRow] = []
         self.tracker: Tracker | None = None  # `tracking:` (fedcluster_flwr.tracking), opened by start/resume
 
@@ -121,21 +133,14 @@ class RunRecorder:
         atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
         atomic_write(self.run_dir / "rounds.jsonl", "")
         self.write_summary({"finished": False, "completed_rounds": 0})
+        self.config = resolved_config
         self.tracker = open_tracker(self.run_dir, resolved_config, 0)
 
     def resume(self, completed_round: int) -> None:
         """Continue a run after ``completed_round``: keep the rows up to it, drop later ones."""
         self.rows = [row for row in read_rounds(self.run_dir) if row["round"] <= completed_round]
         atomic_write(self.run_dir / "rounds.jsonl", "".join(json.dumps(row) + "\n" for row in self.rows))
-        self.tracker = open_tracker(self.run_dir, self._written_config(), completed_round)
-
-    def _written_config(self) -> Mapping[str, Any]:
-        """The config this run wrote at its start, as plain data (its ``tracking`` key says what
-        to reopen). Validating it is the resume's job, done before; a recorder in a directory
-        without one (a strategy driven by a test) tracks nothing."""
-        path = self.run_dir / "config.yaml"
-        written = yaml.safe_load(path.read_text()) if path.is_file() else None
-        return written if isinstance(written, dict) else {}
+        self.tracker = open_tracker(self.run_dir, self.config, completed_round)
 
     def log_round(self, row: RoundRow) -> None:
         row = json_ready(row)
@@ -150,9 +155,10 @@ class RunRecorder:
             self.on_round(row)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        atomic_write(self.run_dir / "summary.json", json.dumps(json_ready(summary), indent=2) + "\n")
+        summary = json_ready(summary)
+        atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.tracker is not None:
-            self.tracker.log_summary(json_ready(summary))
+            self.tracker.log_summary(summary)
 
     def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """``checkpoint/state.json`` and ``checkpoint/models.npz``: the tree ``checkpoint`` (dicts,
@@ -512,9 +518,11 @@ def branch_run(
     """
     if target.is_dir() and any(target.iterdir()):
         raise FileExistsError(f"{target} already holds files; give a new directory (results are never overwritten)")
-    shutil.copytree(
-        source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "updates.npy", ".*")
+    shutil.copytree(  # the source's tracker run is its own: the branch gets a link to it instead
+        source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "updates.npy", ".*", TRACKING_FILE)
     )
+    if (link := branch_record(source, completed_round)) is not None:
+        atomic_write(target / TRACKING_FILE, json.dumps(link, indent=2) + "\n")
     atomic_write(target / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
     atomic_write(target / "summary.json", json.dumps({"finished": False, "completed_rounds": completed_round}) + "\n")
     earlier = source / BRANCH_FILE

@@ -43,14 +43,15 @@ import yaml
 
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
 from .engine import Job, check_ray_address, encode_job
+from .files import atomic_write
 from .results import (
     DamagedRunError,
     RoundRow,
-    atomic_write,
     branch_run,
     check_resumable,
     checkpoint_array_shape,
     read_rounds,
+    read_summary,
 )
 from .schema import ConfigError, require
 from .tracking import check_tracking
@@ -291,8 +292,8 @@ def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
     if every > 0:
         return max(logged) >= every
     try:
-        return json.loads((run_dir / "summary.json").read_text()).get("finished") is True
-    except (OSError, ValueError, AttributeError):
+        return read_summary(run_dir).get("finished") is True
+    except DamagedRunError:
         return False
 
 

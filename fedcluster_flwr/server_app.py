@@ -25,11 +25,10 @@ from flwr.common.logger import FLOWER_LOGGER
 from flwr.server import ServerAppComponents
 from flwr.serverapp import ServerApp
 
-from .cli import format_summary  # the summary `fedcluster run` prints, word for word
-from .config import ExperimentConfig, SimulationConfig
+from .config import ConfigWarning, ExperimentConfig, SimulationConfig
 from .data import DataError
-from .experiment import config_from_run_config, server_components
-from .results import RoundRow, read_summary, run_dir_name
+from .experiment import config_from_run_config, run_config_notes, server_components
+from .results import RoundRow, format_summary, read_summary, run_dir_name
 from .schema import ConfigError
 
 FLWR_RUN_OUTPUT_ROOT = Path.home() / "fedcluster"
@@ -103,6 +102,8 @@ def server_fn(context: Context) -> ServerAppComponents:
         config = config_from_run_config(context.run_config)
         run_dir = flwr_run_dir(config, context.run_id)
         log(INFO, "fedcluster: %s; results in %s", config.strategy.name, run_dir)
+        for note in run_config_notes(context.run_config):  # what fedcluster run prints as note: / warning:
+            log(WARNING if isinstance(note, ConfigWarning) else INFO, "fedcluster: %s", note)
         notes = flwr_run_notes(config)
         if notes:
             log(WARNING, "fedcluster: no effect under flwr run: %s", "; ".join(notes))

@@ -29,6 +29,7 @@ from logging import WARNING
 from pathlib import Path
 from typing import Any
 
+from .files import atomic_write
 from .schema import ConfigError
 
 TRACKING_FILE = "tracking.json"
@@ -148,10 +149,6 @@ class Tracker:
         self.name = name
         self.backend = backend
 
-    @property
-    def run_id(self) -> str | None:
-        return None if self.backend is None else self.backend.run_id
-
     def _guarded(self, action: str, call: Any) -> None:
         if self.backend is None:
             return
@@ -177,26 +174,22 @@ class Tracker:
 
 
 def open_tracker(run_dir: Path, config: Mapping[str, Any], completed_round: int) -> Tracker | None:
-    """The tracker ``config["tracking"]`` names for the run in ``run_dir`` (None for none): the run
-    ``tracking.json`` records when it is this directory's, else a new one (a branch's is linked to
-    its source's), recorded there. A missing package raises :class:`ConfigError`; any other failure
-    to open is warned about and the run goes untracked."""
-    from .results import atomic_write
-
+    """The tracker ``config["tracking"]`` names for the run in ``run_dir`` (None for none, or when it
+    cannot open): the run ``tracking.json`` records, else a new one (a branch's linked to its
+    source's), recorded there. A missing package raises :class:`ConfigError`; any other failure to
+    open is warned about and the run goes untracked."""
     name = str(config.get("tracking") or "none")
     if name == "none":
         return None
     check_tracking(name)
     run_dir = Path(run_dir)
     record = _continued_record(run_dir, name)
-    tracker = Tracker(name, None)
     try:
         backend = BACKENDS[name](run_dir, record, completed_round, config)
     except Exception as err:  # noqa: BLE001 - tracking must never stop a run
-        tracker.backend = None
         _warn(f"{name} could not open a run ({type(err).__name__}: {' '.join(str(err).split())[:300]}); the run goes on untracked")
-        return tracker
-    tracker.backend = backend
+        return None
+    tracker = Tracker(name, backend)
     if record.get("run_id") != backend.run_id or record.get("run_dir") != str(run_dir.resolve()):
         saved = {"backend": name, "run_id": backend.run_id, "run_dir": str(run_dir.resolve())}
         saved |= {k: record[k] for k in ("branch_of_run_id", "branch_round") if k in record}
@@ -210,25 +203,27 @@ def open_tracker(run_dir: Path, config: Mapping[str, Any], completed_round: int)
     return tracker
 
 
+def branch_record(source_dir: Path, completed_round: int) -> dict[str, Any] | None:
+    """The ``tracking.json`` a branch of ``source_dir`` starts with: a link to the source's tracker
+    run, from which the branch's first open starts a run of its own (None: the source had none)."""
+    record = _read_record(Path(source_dir))
+    if not record.get("run_id"):
+        return None
+    return {"backend": record.get("backend"), "branch_of_run_id": record["run_id"], "branch_round": completed_round}
+
+
 def _continued_record(run_dir: Path, name: str) -> dict[str, Any]:
-    """What to reopen: ``tracking.json``'s run where it belongs to this directory (or the directory
-    was moved), nothing for a new run; a branch's copy of its source's becomes a link to it."""
-    path = run_dir / TRACKING_FILE
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = None
-    if not isinstance(record, dict) or record.get("backend") != name or not record.get("run_id"):
+    """What to open: ``tracking.json``'s run (this directory's, wherever it has moved since), or
+    the link a branch starts with; nothing (a new run) for another backend or no record."""
+    record = _read_record(run_dir)
+    if record.get("backend") != name or not (record.get("run_id") or record.get("branch_of_run_id")):
         return {}
-    branch = _branch_source(run_dir)
-    if branch is not None and record.get("run_dir") == str(Path(branch[0]).resolve()) != str(run_dir.resolve()):
-        return {"branch_of_run_id": record["run_id"], "branch_round": branch[1]}
     return record
 
 
-def _branch_source(run_dir: Path) -> tuple[str, int] | None:
+def _read_record(run_dir: Path) -> dict[str, Any]:
     try:
-        branch = json.loads((run_dir / "branch.json").read_text())
-        return str(branch["source"]), int(branch["round"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        record = json.loads((run_dir / TRACKING_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}

@@ -11,7 +11,7 @@ from flwr.common.logger import FLOWER_LOGGER
 from ray import cloudpickle
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.cli import format_summary
+from fedcluster_flwr.results import format_summary
 from fedcluster_flwr.client_app import ExperimentClientApp, make_client_fn
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import config_from_run_config
@@ -87,6 +87,16 @@ def flwr_run_log():
     in the test process it is taken off again."""
     yield
     FLOWER_LOGGER.removeFilter(FLWR_RUN_LOG_FILTER)
+
+
+def test_flwr_run_shows_the_configs_warnings_as_fedcluster_run_does(tmp_path, caplog):
+    """3 clients for the default config's 4 label-swap groups: fedcluster run prints a warning,
+    and so does the ServerApp's log under flwr run."""
+    with caplog.at_level(logging.INFO):
+        server_fn(context({"partition.num_clients": 3, "strategy.name": "fedavg", "rounds": 1,
+                           "output_dir": str(tmp_path)}))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("fedcluster: partition.num_clients (3) is below the 4 groups") for w in warnings), warnings
 
 
 def test_flwr_run_names_the_options_it_ignores(tmp_path, caplog):

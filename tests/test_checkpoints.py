@@ -67,7 +67,8 @@ def test_result_files_get_the_mode_the_umask_gives_not_mkstemps_0600(tmp_path, u
     import os
     import stat
 
-    from fedcluster_flwr.results import RunRecorder, atomic_write
+    from fedcluster_flwr.files import atomic_write
+    from fedcluster_flwr.results import RunRecorder
 
     previous = os.umask(umask)
     try:

@@ -195,6 +195,20 @@ def test_a_compare_rerun_with_other_options_refuses_the_earlier_results(tmp_path
     assert calls == []
 
 
+def test_a_stopped_compare_is_completed_on_another_engine(tmp_path, monkeypatch):
+    """How the rounds execute is not what the comparison compares: rerun with another engine, the
+    stopped strategy resumes there (its config.yaml says so) and the finished one is kept."""
+    out = tmp_path / "cmp"
+    base = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local", "--out", str(out), "--no-progress"]
+    in_process_runs(monkeypatch, stop_in="local")
+    assert cli.main([*base, "--set", "simulation.engine=inprocess"]) == 130
+    calls = in_process_runs(monkeypatch)
+    assert cli.main([*base, "--set", "simulation.engine=batched"]) == 0
+    assert calls == [("local", 1)]
+    assert yaml.safe_load((out / "local" / "config.yaml").read_text())["simulation"]["engine"] == "batched"
+    assert (out / "comparison.md").is_file()
+
+
 def test_a_checkpoint_copied_in_from_another_run_is_named_not_the_config(tmp_path):
     """Real checkpoints (written by the in-process driver) carry their round's row digest."""
     from fedcluster_flwr.inprocess import run_in_process
