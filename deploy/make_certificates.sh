@@ -72,17 +72,21 @@ mkdir -p "$outdir"
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cn=$1  # the first HOST names the server; clients check the subjectAltName, not the CN
+# Everything is made in $work and moved into OUTDIR only once all of it succeeded: a failed step
+# leaves OUTDIR as it was (not a CA key without a certificate that blocks the next try).
+# The server's CN is fixed: clients check the subjectAltName, and a CN is limited to 64 characters.
 (
   umask 077  # the private keys are readable by their owner only
   openssl req -x509 -newkey rsa:2048 -nodes -days "$days" -subj /CN=fedcluster-ca \
-    -keyout "$outdir/ca.key" -out "$outdir/ca.crt" 2>"$work/log" \
-    && openssl req -newkey rsa:2048 -nodes -subj "/CN=$cn" -keyout "$outdir/server.key" -out "$work/server.csr" 2>>"$work/log"
+    -keyout "$work/ca.key" -out "$work/ca.crt" 2>"$work/log" \
+    && openssl req -newkey rsa:2048 -nodes -subj /CN=fedcluster-superlink -keyout "$work/server.key" \
+      -out "$work/server.csr" 2>>"$work/log"
 ) || { cat "$work/log" >&2; fail "openssl could not make the CA or the server key (its messages above)"; }
 printf 'subjectAltName=%s\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' \
   "$san" >"$work/server.ext"
-openssl x509 -req -in "$work/server.csr" -CA "$outdir/ca.crt" -CAkey "$outdir/ca.key" -CAcreateserial \
-  -CAserial "$work/ca.srl" -days "$days" -extfile "$work/server.ext" -out "$outdir/server.pem" 2>>"$work/log" \
+openssl x509 -req -in "$work/server.csr" -CA "$work/ca.crt" -CAkey "$work/ca.key" -CAcreateserial \
+  -CAserial "$work/ca.srl" -days "$days" -extfile "$work/server.ext" -out "$work/server.pem" 2>>"$work/log" \
   || { cat "$work/log" >&2; fail "openssl could not sign the server certificate for subjectAltName $san (its messages above)"; }
-chmod 644 "$outdir/ca.crt" "$outdir/server.pem"
+chmod 644 "$work/ca.crt" "$work/server.pem"
+mv "$work/ca.key" "$work/ca.crt" "$work/server.key" "$work/server.pem" "$outdir/"
 echo "wrote $outdir/{ca.crt,server.pem,server.key,ca.key}; server certificate valid $days days for $san"

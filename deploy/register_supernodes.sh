@@ -35,6 +35,8 @@ for key in "$@"; do
     fi
     case "$output" in
       *"already in use"*) echo "$key: already registered"; break ;;
+      *"unavailable"*) ;;  # flwr: "Connection to the SuperLink is unavailable": not up yet, retry
+      *) echo "$output" >&2; fail "could not register $key with '$connection' (flwr's messages above)" ;;
     esac
     if [ "$try" -ge "$tries" ]; then
       echo "$output" >&2

@@ -98,8 +98,15 @@ class Processes:
         process.wait(timeout=timeout)
 
     def stop_all(self) -> None:
+        """Stop every process, each even when stopping an earlier one raised; then raise the first error."""
+        errors = []
         for name in list(self.started)[::-1]:
-            self.stop(name)
+            try:
+                self.stop(name)
+            except Exception as err:  # noqa: BLE001 - the others must still be stopped
+                errors.append(err)
+        if errors:
+            raise errors[0]
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
