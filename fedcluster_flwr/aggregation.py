@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.common import NDArrays
+from .types import NDArrays
 
 
 def weighted_mean(models: Iterable[NDArrays], weights: Sequence[float], dtypes: Sequence[Any]) -> NDArrays:

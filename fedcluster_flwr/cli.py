@@ -29,7 +29,7 @@ from .data import DataError
 from .files import atomic_write
 from .results import RoundRow, format_summary, plot_comparison, read_summary, run_dir_name
 from .schema import ConfigError, InRegistry, config_keys, lookup
-from .strategies import STRATEGIES
+from .registry import strategies
 
 EXIT_USER_ERROR = 2
 
@@ -114,7 +114,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not names:
         raise ConfigError("--strategies", "give at least one strategy name, e.g. fedavg,flhc")
     for name in names:
-        unknown = InRegistry(STRATEGIES, "strategy").violation(name)
+        unknown = InRegistry(strategies(), "strategy").violation(name)
         if unknown:
             raise ConfigError("--strategies", unknown)
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -153,9 +153,9 @@ def check_compared_options(overrides: Sequence[tuple[str, Any]], names: Sequence
     """A ``--set strategy.KEY`` of ``fedcluster compare`` must be an option of at least one compared
     strategy (each of the others ignores it with a note); a key no strategy has is left to the
     config's unknown-key error, which suggests a spelling."""
-    compared = {key for name in names for key in config_keys(STRATEGIES[name].Options)} | {"name"}
+    compared = {key for name in names for key in config_keys(strategies()[name].Options)} | {"name"}
     for key in sorted(keys_set_in("strategy", overrides) - compared):
-        owners = [name for name, cls in STRATEGIES.items() if key in config_keys(cls.Options)]
+        owners = [name for name, cls in strategies().items() if key in config_keys(cls.Options)]
         if owners:
             raise ConfigError(f"strategy.{key}", f"not an option of any compared strategy ({', '.join(names)}; it is "
                               f"one of {', '.join(owners)}): drop it, or compare a strategy that has it")
@@ -248,6 +248,15 @@ def package_version() -> str:
         return "unknown (not installed: pip install -e .)"
 
 
+def _strategy_names() -> str:
+    """The registered names, for a help text: a family that fails to import is reported when a
+    command needs the registry, not while the parser is built."""
+    try:
+        return ", ".join(strategies())
+    except ConfigError as err:
+        return f"(the registry could not be loaded: {err})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedcluster", description="Clustered federated learning on Flower.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -282,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="run several strategies on the same partitions")
     add_run_options(compare, "base_set")
     compare.add_argument("--strategies", required=True, metavar="NAME,NAME,...",
-                         help=f"comma-separated strategy names, each run on the same partitions: {', '.join(STRATEGIES)}")
+                         help=f"comma-separated strategy names, each run on the same partitions: {_strategy_names()}")
     compare.set_defaults(func=cmd_compare)
 
     plot = sub.add_parser("plot", help="plot the mean client accuracy of several runs")

@@ -10,9 +10,11 @@ declares. Handlers here:
 * ``evaluate``: test the received model on the client's own test split (and its validation
   split, where it holds one).
 
-The handlers of each algorithm family's own tasks are in :mod:`fedcluster_flwr.tasks`, which this
-module imports at its end. A new task's handler is a function ``(client, TaskInput) -> TaskOutput``
-registered with ``@handles(SOME_TASK)``.
+The handlers of each algorithm family's own tasks are in that family's package
+(:mod:`fedcluster_flwr.algorithms`); a client that receives a task it has no handler for yet loads the
+families (:func:`fedcluster_flwr.registry.handler`). A new task's handler is a function
+``(client, TaskInput) -> TaskOutput`` registered with ``@handles(SOME_TASK)``
+(:func:`fedcluster_flwr.registry.handles`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from flwr.client import NumPyClient
 from flwr.common import NDArrays, Scalar
 from torch import nn
 
-from . import protocol
+from . import protocol, registry
 from .protocol import ACCURACY, EPOCHS_KEY, EVALUATE, MODEL, MODELS, TRAIN, TRAIN_LOSS, VAL_LOSS, Task
 from .training import LocalCompute, TrainSettings, get_weights, set_weights
 
@@ -86,18 +88,7 @@ class TaskOutput:
     loss: float = float("nan")
 
 
-Handler = Callable[["ClusterClient", TaskInput], TaskOutput]
-HANDLERS: dict[str, tuple[Task, Handler]] = {}  # task name -> (task, its handler)
-
-
-def handles(task: Task) -> Callable[[Handler], Handler]:
-    """Register the decorated function as the client's handler of ``task``."""
-
-    def register(handler: Handler) -> Handler:
-        HANDLERS[task.name] = (task, handler)
-        return handler
-
-    return register
+handles = registry.handles
 
 
 def round_seed(seed: int, server_round: int, pid: int, *stream: int) -> int:
@@ -155,9 +146,10 @@ class ClusterClient(NumPyClient):
 
     def _run(self, parameters: NDArrays, config: Mapping[str, Scalar]) -> tuple[Task, TaskOutput]:
         name = config.get(protocol.TASK_KEY)
-        if name not in HANDLERS:
-            raise protocol.ProtocolError(f"task {name!r} is unknown; this client handles {', '.join(HANDLERS)}")
-        task, handler = HANDLERS[name]
+        found = registry.handler(str(name))
+        if found is None:
+            raise protocol.ProtocolError(f"task {name!r} is unknown; this client handles {', '.join(registry.HANDLERS)}")
+        task, handler = found
         blocks = protocol.unpack(parameters, config[protocol.LAYOUT_KEY])
         task.check_instruction(blocks, config)
         return task, handler(self, TaskInput(int(config.get(protocol.ROUND_KEY, 0)), blocks, config))
@@ -212,8 +204,3 @@ def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOut
         metrics[VAL_LOSS] = client.evaluate_model(model, data.x_val, data.y_val)[0]
     return TaskOutput({}, len(data.y_test), metrics, loss=loss)
 
-
-# The family modules register their handlers with @handles and so import this module; importing
-# them here, after everything they use is defined, registers every task's handler with this one:
-# a ClusterClient handles every task however it was built, whatever was imported before.
-from . import tasks  # noqa: E402, F401  (import cycle by design, see above)

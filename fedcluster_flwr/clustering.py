@@ -323,6 +323,18 @@ def renumber(labels: np.ndarray) -> np.ndarray:
     return rank[inverse].astype(np.int64)
 
 
+def mean_by(values: Mapping[int, float], groups: Mapping[int, str]) -> dict[str, float]:
+    """Mean of ``values`` per group name, groups sorted as numbers where they are numbers."""
+    grouped: dict[str, list[float]] = {}
+    for pid, value in values.items():
+        grouped.setdefault(groups[pid], []).append(value)
+    return {k: float(np.mean(v)) for k, v in sorted(grouped.items(), key=lambda kv: _group_order(kv[0]))}
+
+
+def _group_order(name: str) -> tuple[int, float, str]:
+    return (0, float(name), "") if name.lstrip("-").isdigit() else (1, 0.0, name)
+
+
 def purity(true: np.ndarray, predicted: np.ndarray) -> float:
     """Share of clients whose predicted cluster's majority true id is their own."""
     if len(true) == 0:
@@ -342,67 +354,6 @@ def cluster_scores(true: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
     }
 
 
-# ---- one-shot data-similarity clustering (Ali & Arafa) ------------------------------------------
-
-RELEVANCE_FLOOR = 1e-3
-
-
-RELEVANCE_RULES = ("paper", "amiri")  # which eigenvalue eq. 3 compares λ̂_k with; see relevance_row
-
-
-def relevance_row(
-    gram: np.ndarray,
-    eigenvectors: Sequence[np.ndarray],
-    eigenvalues: Sequence[np.ndarray] | None = None,
-    floor: float = RELEVANCE_FLOOR,
-) -> np.ndarray:
-    """Row r(i, ·) of the relevance matrix, for client i with Gram matrix ``gram`` (d × d), given
-    every client j's top eigenvectors v_k^(j) (``eigenvectors[j]``: rows of a k × d array).
-
-    Ali & Arafa, eqs. 2-4 (and Algorithm 2, lines 8-11):
-
-    * eq. 2: λ̂_k = ‖G_i v_k^(j)‖, how much of client i's data lies along j's k-th direction;
-    * eq. 3: its agreement with λ_k^(i), client i's *own* k-th largest eigenvalue:
-      min(λ_k^(i), λ̂_k) / max(λ_k^(i), λ̂_k). Users share only their eigenvectors (the paper's
-      rule, ``strategy.relevance: paper``). Given ``eigenvalues`` (client j's own λ_k^(j), one
-      array per client, shared along with the vectors), λ̂_k is compared with λ_k^(j) instead:
-      Amiri et al.'s original form (``strategy.relevance: amiri``);
-    * eq. 4: r(i, j) = the geometric mean of the k agreements.
-
-    r(i, i) = 1 under either rule: v_k^(i) is an eigenvector of G_i, so λ̂_k = λ_k^(i).
-
-    Tiny eigenvalues (the paper's own warning): a direction in which one side has (numerically)
-    no variance would make its ratio 0 and zero the whole geometric mean. Each ratio is therefore
-    taken as (min + ε) / (max + ε), with ε = ``floor`` · the largest eigenvalue compared (λ_1, or
-    the largest λ̂): such a direction lowers r by a factor of at most about floor^(1/k), and
-    directions at the scale of the data are unaffected. ``floor`` is ``strategy.eigen_floor``
-    (ours; measured at k = 5 and 200 in benchmarks/oneshot/README.md).
-    """
-    if eigenvalues is not None and len(eigenvalues) != len(eigenvectors):
-        raise ValueError(f"{len(eigenvalues)} eigenvalue arrays for {len(eigenvectors)} clients' eigenvectors")
-    deepest = max((len(v) for v in eigenvectors), default=0)
-    # λ_k^(i), descending; round-off negatives are no variance
-    own_values = np.clip(np.linalg.eigvalsh(gram)[::-1][:deepest], 0.0, None)
-    row = np.empty(len(eigenvectors))
-    for j, vectors in enumerate(eigenvectors):
-        vectors = np.asarray(vectors, dtype=np.float64)
-        projected = np.linalg.norm(gram @ vectors.T, axis=0)  # eq. 2
-        compared = own_values[: len(vectors)] if eigenvalues is None else np.asarray(eigenvalues[j], dtype=np.float64)
-        eps = floor * max(float(compared.max(initial=0.0)), float(projected.max(initial=0.0)), np.finfo(float).tiny)
-        smaller, larger = np.minimum(compared, projected) + eps, np.maximum(compared, projected) + eps
-        # eq. 3; at floor 0 past the Gram matrix's rank both sides are 0: no variance on either, equal
-        ratios = np.divide(smaller, larger, out=np.ones_like(larger), where=larger > 0)
-        with np.errstate(divide="ignore"):  # floor 0 (no guard) may take log(0) = -inf: r = 0
-            row[j] = float(np.exp(np.mean(np.log(ratios))))  # eq. 4
-    return row
-
-
-def relevance_matrix(rows: np.ndarray) -> np.ndarray:
-    """R = (r + rᵀ) / 2 (eq. 5): symmetric, in [0, 1], 1 on the diagonal."""
-    rows = np.asarray(rows, dtype=np.float64)
-    return (rows + rows.T) / 2
-
-
 def cluster_square(
     distance: np.ndarray, linkage: str, *, threshold: float | None = None, num_clusters: int | None = None
 ) -> HacResult:
@@ -411,113 +362,3 @@ def cluster_square(
     np.fill_diagonal(distance, 0.0)
     return cluster_condensed(squareform(distance, checks=False), len(distance), linkage,
                              threshold=threshold, num_clusters=num_clusters)
-
-
-def cluster_by_relevance(
-    relevance: np.ndarray, linkage: str, *, threshold: float | None = None, num_clusters: int | None = None
-) -> HacResult:
-    """Agglomerative clustering of 1 − R (a distance: 0 for identical data)."""
-    return cluster_square(np.clip(1.0 - relevance, 0.0, None), linkage, threshold=threshold, num_clusters=num_clusters)
-
-
-def within_and_across(matrix: np.ndarray, groups: np.ndarray) -> tuple[float, float]:
-    """Mean off-diagonal entry of ``matrix`` between items of the same group, and of different groups."""
-    groups = np.asarray(groups)
-    same = groups[:, None] == groups[None, :]
-    off_diagonal = ~np.eye(len(groups), dtype=bool)
-    within = matrix[same & off_diagonal]
-    across = matrix[~same]
-    return (float(within.mean()) if within.size else float("nan"), float(across.mean()) if across.size else float("nan"))
-
-
-# ---- bi-partition by similarity (Sattler et al.'s CFL) --------------------------------------------
-
-BIPARTITION_LINKAGES = ("single", "complete")
-
-
-def bipartition(similarity: np.ndarray, linkage: str = "single") -> tuple[np.ndarray, float]:
-    """Split items into two groups given their symmetric pairwise ``similarity`` (e.g. cosine);
-    returns the labels (0 for the group of item 0, else 1) and the largest similarity across the
-    two groups, max_{i in c1, j in c2} similarity[i, j].
-
-    ``single``: agglomerative clustering of 1 - similarity with single linkage, stopped at two
-    groups. Merging the most similar pair first until two groups remain is Sattler et al.'s
-    "optimal bipartition" algorithm, and its result minimises the largest cross similarity over
-    all 2^(n-1) - 1 bi-partitions (it cuts the weakest edge of the maximum spanning tree of the
-    similarity graph; any other cut leaves a tree edge at least as strong across). ``complete``:
-    complete linkage instead, what the authors' reference code runs (sklearn's
-    AgglomerativeClustering on -similarity): not the minimiser, and less prone to cutting off a
-    single outlier.
-    """
-    if linkage not in BIPARTITION_LINKAGES:
-        raise ValueError(f"unknown linkage {linkage!r}; expected one of {BIPARTITION_LINKAGES}")
-    similarity = np.asarray(similarity, dtype=np.float64)
-    if similarity.ndim != 2 or similarity.shape[0] != similarity.shape[1] or len(similarity) < 2:
-        raise ValueError(f"a bi-partition needs a square similarity matrix of at least 2 items, got {similarity.shape}")
-    distance = np.maximum(1.0 - (similarity + similarity.T) / 2, 0.0)
-    np.fill_diagonal(distance, 0.0)
-    tree = hierarchy.linkage(squareform(distance, checks=False), method=linkage)
-    labels = renumber(hierarchy.cut_tree(tree, n_clusters=2).ravel())
-    cross = float(similarity[np.ix_(labels == 0, labels == 1)].max())
-    return labels, cross
-
-
-# ---- principal angles between client data subspaces (PACFL, Vahidian et al.) ---------------------
-
-# How two clients' subspaces (orthonormal bases U_i, U_j, d × p) are compared, in degrees:
-# smallest_angle: θ_1(U_i, U_j), the smallest principal angle (the paper's eq. 2);
-# sum_of_angles: θ_1 + ... + θ_p, every principal angle (the paper's trace form, eq. 3, read with
-#   true principal angles);
-# elementwise_min_angle: min over a, b of arccos(u_a^(i) · u_b^(j)), the reference code's
-#   ``calculating_adjacency``: the smallest angle between two *basis vectors*, not a principal angle
-#   (it is never below θ_1, and a basis vector's sign, which an SVD leaves arbitrary, changes it).
-PROXIMITIES = ("smallest_angle", "sum_of_angles", "elementwise_min_angle")
-LINKAGE_OVER_MEMBERS = {"single": np.min, "complete": np.max, "average": np.mean}
-
-
-def principal_angles(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The principal angles θ_1 ≤ θ_2 ≤ ... between the column spans of ``a`` (d × p) and ``b``
-    (d × q), in degrees (scipy's ``subspace_angles``: cos θ_k are the singular values of AᵀB for
-    orthonormal A, B, and small angles come from their sines, so identical subspaces give 0)."""
-    from scipy.linalg import subspace_angles
-
-    return np.sort(np.degrees(subspace_angles(np.asarray(a, np.float64), np.asarray(b, np.float64))))
-
-
-def subspace_proximity(a: np.ndarray, b: np.ndarray, rule: str) -> float:
-    """Proximity of two clients' subspaces (bases as columns, d × p) under ``rule`` (see
-    :data:`PROXIMITIES`), in degrees: 0 for identical subspaces (or basis vectors), larger apart."""
-    if rule == "smallest_angle":
-        return float(principal_angles(a, b)[0])  # eq. 2: A(i, j) = θ_1(U_i, U_j)
-    if rule == "sum_of_angles":
-        return float(principal_angles(a, b).sum())  # eq. 3: A(i, j) = Σ_k θ_k(U_i, U_j)
-    if rule == "elementwise_min_angle":
-        cosines = np.clip(np.asarray(a, np.float64).T @ np.asarray(b, np.float64), -1.0, 1.0)
-        return float(np.degrees(np.arccos(cosines)).min())
-    raise ValueError(f"unknown proximity {rule!r}; expected one of {PROXIMITIES}")
-
-
-def proximity_matrix(bases: Sequence[np.ndarray], rule: str) -> np.ndarray:
-    """The server's proximity matrix A (N × N, degrees) of N clients' bases (d × p each) under
-    ``rule``: symmetric (each pair computed once), 0 on the diagonal."""
-    count = len(bases)
-    proximity = np.zeros((count, count))
-    for i in range(count):
-        for j in range(i + 1, count):
-            proximity[i, j] = proximity[j, i] = subspace_proximity(bases[i], bases[j], rule)
-    return proximity
-
-
-def closest_cluster(distances: np.ndarray, labels: np.ndarray, linkage: str) -> int:
-    """The cluster a newcomer joins, given its ``distances`` to the clustered clients and their
-    cluster ``labels``: the one at the smallest linkage distance from it (single: its nearest
-    member; complete: its farthest; average: the mean over members), i.e. the cluster agglomerative
-    clustering with that linkage would join it to first. Ties go to the lowest cluster id."""
-    if linkage not in LINKAGE_OVER_MEMBERS:
-        raise ValueError(f"unknown linkage {linkage!r}; expected one of {tuple(LINKAGE_OVER_MEMBERS)}")
-    distances, labels = np.asarray(distances, np.float64), np.asarray(labels)
-    clusters = np.unique(labels)
-    if not len(clusters):
-        raise ValueError("no clustered clients to place a newcomer among")
-    by_cluster = [LINKAGE_OVER_MEMBERS[linkage](distances[labels == k]) for k in clusters]
-    return int(clusters[int(np.argmin(by_cluster))])

@@ -49,7 +49,7 @@ from .schema import (
     to_plain,
     unknown_key_message,
 )
-from .strategies import STRATEGIES
+from .registry import strategies
 
 
 @dataclass(frozen=True)
@@ -371,10 +371,10 @@ def build_config(
         built={"options": from_mapping(PARTITIONERS[part_name].options, part_opts, "partition")},
     )
     strat_name, _, strat_opts = _split_named_section(
-        raw.get("strategy", {"name": "fedavg"}), "strategy", STRATEGIES,
+        raw.get("strategy", {"name": "fedavg"}), "strategy", strategies(),
         lambda s: s.Options, {"name"}, notes, keys_set_in("strategy", given),
     )
-    strategy = StrategyConfig(strat_name, from_mapping(STRATEGIES[strat_name].Options, strat_opts, "strategy"))
+    strategy = StrategyConfig(strat_name, from_mapping(strategies()[strat_name].Options, strat_opts, "strategy"))
     if "model" not in raw:
         raise ConfigError("model.name", f"is required; one of {', '.join(MODELS)}")
     config = from_mapping(ExperimentConfig, raw, built={"partition": partition, "strategy": strategy})
@@ -493,9 +493,9 @@ def swap_strategy(raw: Mapping[str, Any], overrides: Sequence[tuple[str, Any]]) 
     old = section.get("name") if isinstance(section, Mapping) else None
     merged = apply_overrides(raw, overrides)
     new = merged["strategy"].get("name") if isinstance(merged.get("strategy"), Mapping) else None
-    if old == new or not isinstance(old, str) or not isinstance(new, str) or old not in STRATEGIES or new not in STRATEGIES:
+    if old == new or not isinstance(old, str) or not isinstance(new, str) or old not in strategies() or new not in strategies():
         return dict(raw), None
-    old_cls, new_cls = STRATEGIES[old], STRATEGIES[new]
+    old_cls, new_cls = strategies()[old], strategies()[new]
     key_to_field = {config_key(f): f.name for f in dataclasses.fields(old_cls.Options)}
     kept, dropped = [], []
     for key in section:

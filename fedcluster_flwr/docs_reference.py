@@ -61,7 +61,7 @@ from .schema import (
     declared_rules,
     type_name,
 )
-from .strategies import STRATEGIES
+from .registry import strategies
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_PAGE = ROOT / "docs" / "reference" / "config.md"
@@ -287,12 +287,12 @@ def config_page() -> str:
         "",
         "## `strategy`",
         "",
-        "`strategy.name` names the strategy: " + ", ".join(f"`{n}`" for n in STRATEGIES)
+        "`strategy.name` names the strategy: " + ", ".join(f"`{n}`" for n in strategies())
         + ". The section takes the options of the strategy it names (strategies that share an options class"
         " are listed together).",
     ]
     by_options: dict[type, list[str]] = {}
-    for name, strategy in STRATEGIES.items():
+    for name, strategy in strategies().items():
         by_options.setdefault(strategy.Options, []).append(name)
     for options, names in by_options.items():
         out += ["", "### " + ", ".join(f"`{n}`" for n in names), ""]

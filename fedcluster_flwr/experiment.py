@@ -24,8 +24,10 @@ from .models import build_model, parameter_names
 from .numerics import numeric_platform, pin_portable_numerics
 from .results import RoundRow, RunRecorder, load_checkpoint
 from .schema import ConfigError
-from .strategies import STRATEGIES, StrategySetup
-from .strategies.round_log import resume as resume_strategy
+from .algorithms.base import StrategySetup
+from .registry import strategy_class
+from .algorithms.base.directory import Federation
+from .round_log import RoundLog, resume as resume_strategy
 from .training import TrainSettings, get_weights, use_deterministic_kernels
 
 APP_ROOT = Path(__file__).resolve().parent.parent  # the project root (or the installed FAB)
@@ -186,22 +188,20 @@ def server_components(
         train_sizes=[len(idx) for idx in partition.train_indices],
         rounds=config.rounds,
         seed=config.seed,
-        target_accuracy=config.target_accuracy,
-        recorder=recorder,
-        title=run_title(config),
-        join_round=config.simulation.join_round,
-        checkpoint_every=config.checkpoint_every,
-        timeout_s=config.simulation.round_timeout_s,
-        stop_round=stop_after,
-        numeric_platform=numeric_platform(),
         cluster_names=cluster_names(config.partition.options, int(partition.true_clusters.max(initial=0)) + 1),
     )
     if make_strategy is None:
-        strategy = STRATEGIES[config.strategy.name](config.strategy.options, setup)
+        strategy = strategy_class(config.strategy.name)(config.strategy.options, setup)
     else:
         strategy = make_strategy(setup)
+    log = RoundLog(
+        recorder, partition.true_clusters, config.target_accuracy, config.rounds, config.checkpoint_every,
+        stop_round=stop_after, numeric_platform=numeric_platform(), title=run_title(config),
+    )
+    federation = Federation(join_round=config.simulation.join_round, timeout_s=config.simulation.round_timeout_s)
+    strategy.connect(federation, log)
     if resume:
-        resume_strategy(strategy, load_checkpoint(run_dir))
+        resume_strategy(strategy, log, load_checkpoint(run_dir))
     remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
     server_config = ServerConfig(num_rounds=remaining, round_timeout=config.simulation.round_timeout_s)
     return ServerAppComponents(strategy=strategy, config=server_config)

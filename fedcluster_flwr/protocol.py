@@ -21,13 +21,13 @@ task               sends                                reply arrays            
 =================  ===================================  ==================================  ===========================
 
 Each algorithm family's own tasks are declared, with their keys, reply schema and client
-handlers, in a module of :mod:`fedcluster_flwr.tasks`: ``train_select`` and ``select`` in
-:mod:`~fedcluster_flwr.tasks.selection`, ``gram_eigen`` and ``relevance`` in
-:mod:`~fedcluster_flwr.tasks.oneshot`, ``gossip_train`` in :mod:`~fedcluster_flwr.tasks.gossip`.
+handlers, in its package of :mod:`fedcluster_flwr.algorithms`: ``train_select`` and ``select`` in
+:mod:`~fedcluster_flwr.algorithms.base.selection`, ``gram_eigen`` and ``relevance`` in
+:mod:`~fedcluster_flwr.algorithms.oneshot.tasks`, ``gossip_train`` in :mod:`~fedcluster_flwr.algorithms.dac.tasks`.
 
 Task names, block names and the config and metric keys appear nowhere else as literals:
 the client looks its handlers up by these :class:`Task` objects, the strategies build
-:class:`~fedcluster_flwr.strategies.core.Instruction` objects from them.
+:class:`~fedcluster_flwr.algorithms.base.strategy.Instruction` objects from them.
 """
 
 from __future__ import annotations

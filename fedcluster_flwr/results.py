@@ -791,13 +791,10 @@ def phase_words(phase: Any) -> str:
     "dac gossip exchanges", another strategy's -> "ifca rounds"; unknown names as they are."""
     if phase in PHASE_WORDS:
         return PHASE_WORDS[phase]
-    from .strategies import STRATEGIES  # here: the strategies import this module
-    from .strategies.dac import Gossip
+    from .registry import strategies
 
-    strategy = STRATEGIES.get(phase)
-    if strategy is None:
-        return str(phase)
-    return f"{phase} gossip exchanges" if issubclass(strategy, Gossip) else f"{phase} rounds"
+    strategy = strategies().get(phase)
+    return str(phase) if strategy is None else f"{phase} {strategy.round_word}"
 
 
 def _mark_phase_changes(ax: Any, rows: Sequence[RoundRow]) -> None:

@@ -1,5 +1,5 @@
 """Run experiments on Flower's Ray simulation engine (in a process group of their own, see
-:mod:`fedcluster_flwr.engine`): fresh runs, resumes, branches.
+:mod:`fedcluster_flwr.engines.simulation`): fresh runs, resumes, branches.
 
 The life of a run directory:
 
@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import yaml
 
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
-from .engine import Job, check_ray_address, encode_job
+from .engines.simulation import Job, check_ray_address, encode_job
 from .files import atomic_write
 from .results import (
     DamagedRunError,
@@ -84,7 +84,7 @@ def run_experiment(
     stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Run one experiment on Flower's Ray simulation engine in a process of its own (see
-    :mod:`fedcluster_flwr.engine`); return its summary.
+    :mod:`fedcluster_flwr.engines.simulation`); return its summary.
 
     ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round;
     ``stop_after`` stops it, checkpointed, after that round (before ``config.rounds``);
@@ -161,7 +161,7 @@ class _Stop(BaseException):
 def _run_engine(job: Job, progress: RunProgress | None) -> None:
     """Start the engine process in its own session, pass on its rounds to ``progress`` and re-raise
     its user-facing errors; on a stop signal (or any error here) end its whole process group.
-    Why a separate process group and SIGKILL: see :mod:`fedcluster_flwr.engine`."""
+    Why a separate process group and SIGKILL: see :mod:`fedcluster_flwr.engines.simulation`."""
     events_read, events_write = os.pipe()
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parent.parent)  # the engine imports this very code
@@ -180,7 +180,7 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
     error: dict[str, Any] | None = None
     try:
         engine = subprocess.Popen(
-            [sys.executable, "-m", "fedcluster_flwr.engine", str(events_write)],
+            [sys.executable, "-m", "fedcluster_flwr.engines.simulation", str(events_write)],
             stdin=subprocess.PIPE, pass_fds=(events_write,), start_new_session=True, env=env,
         )
         os.close(events_write)
@@ -396,12 +396,12 @@ def continue_run(
 def check_checkpoint_fits(config: ExperimentConfig, state: dict[str, Any], run_dir: Path) -> None:
     """The run's ``config.yaml`` must still describe the run that wrote its checkpoint: the same
     strategy and number of clients (an edited file would fail inside the simulation)."""
-    from .strategies import STRATEGIES
+    from .registry import strategies
 
     path = run_dir / "config.yaml"
     written_by = state["strategy"].get("strategy")
     if written_by is not None and written_by != config.strategy.name:
-        known = f" ({written_by} is no longer a strategy)" if written_by not in STRATEGIES else ""
+        known = f" ({written_by} is no longer a strategy)" if written_by not in strategies() else ""
         raise DamagedRunError(
             path, f"strategy.name is {config.strategy.name}, but the checkpoint was written by {written_by}{known}: "
             f"restore strategy.name: {written_by}, or start a new run (a branch cannot change the strategy either)"
@@ -432,7 +432,7 @@ def first_difference(before: Any, after: Any, key: str) -> str | None:
 def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[str, Any]) -> None:
     """Refuse a branch that changes what produced the checkpoint: the experiment (data, model,
     training, seed), the strategy, or a strategy option the run already acted on."""
-    from .strategies import STRATEGIES
+    from .registry import strategies
 
     old, new = config_to_dict(before), config_to_dict(after)
     for section in BRANCH_FIXED:
@@ -445,7 +445,7 @@ def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[
         )
     require(before.strategy.name == after.strategy.name, "strategy.name",
             f"a branch continues the {before.strategy.name} checkpoint of RUN_DIR; start a new run for another strategy")
-    for option in STRATEGIES[before.strategy.name].options_fixed_by(state["strategy"]):
+    for option in strategies()[before.strategy.name].options_fixed_by(state["strategy"]):
         require(
             getattr(before.strategy.options, option) == getattr(after.strategy.options, option),
             f"strategy.{option}",

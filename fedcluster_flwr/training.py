@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.common import NDArrays
+from .types import NDArrays
 from torch import nn
 
 

@@ -1,13 +1,14 @@
 """Helpers the test modules share (no test imports from another test module): run-file checks,
-a synthetic model, fake Flower clients, :func:`drive_round`, which plays one round of a strategy
-through Flower's Strategy API with synthetic clients, and CIFAR-10 files in the real format."""
+a synthetic model, fake Flower clients, :func:`synthetic_round`, which plays one round of a strategy
+with synthetic clients through the in-process engine's round loop
+(:func:`fedcluster_flwr.engines.inprocess.play_round`), and CIFAR-10 files in the real format."""
 
 from __future__ import annotations
 
 import json
 import pickle
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,14 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.config import config_to_dict, load_config
 from fedcluster_flwr.protocol import ACCURACY, LAYOUT_KEY, MODELS, TASK_KEY
+from fedcluster_flwr.algorithms.base.directory import Federation
+from fedcluster_flwr.engines.inprocess import play_round
 from fedcluster_flwr.results import RunRecorder
-from fedcluster_flwr.strategies import StrategySetup
-from fedcluster_flwr.strategies.core import ClusteredStrategy
-from fedcluster_flwr.strategies.messages import Instruction
-from fedcluster_flwr.tasks.selection import SELECTED, SIMILARITY
+from fedcluster_flwr.round_log import RoundLog
+from fedcluster_flwr.algorithms.base import StrategySetup
+from fedcluster_flwr.algorithms.base.strategy import ClusteredStrategy
+from fedcluster_flwr.algorithms.base.messages import Instruction
+from fedcluster_flwr.algorithms.base.selection import SELECTED, SIMILARITY
 
 
 def rows_without_timing(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -132,13 +136,14 @@ def fit_res(weights: NDArrays, n: int = 10, metrics: Mapping[str, Scalar] | None
 
 
 class FakeProxy(ClientProxy):
-    """A registered Flower client that only answers get_properties (the strategy's discovery)
-    with the partition ``pid`` it claims, well-formed or not; :func:`drive_round` answers its fit
-    and evaluate instructions."""
+    """A registered Flower client that answers get_properties (the strategy's discovery) with the
+    partition ``pid`` it claims, well-formed or not, and its fit and evaluate instructions as the
+    round's :class:`RoundPlan` says (:func:`synthetic_round` sets it)."""
 
     def __init__(self, cid: str, pid: Any, num_partitions: int):
         super().__init__(cid)
         self.pid, self.num_partitions = pid, num_partitions
+        self.plan: RoundPlan | None = None
 
     def get_properties(self, ins, timeout, group_id):
         return GetPropertiesRes(Status(Code.OK, ""), {"partition_id": self.pid, "num_partitions": self.num_partitions})
@@ -147,10 +152,21 @@ class FakeProxy(ClientProxy):
         raise NotImplementedError
 
     def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
+        plan = self.plan
+        received = Received(self.pid, ins.config[TASK_KEY], unpacked(ins), dict(ins.config),
+                            plan.strategy.messages.instructions[self.pid])
+        plan.received[self.pid] = received
+        if self.pid in plan.fail:
+            raise RuntimeError(f"client {self.pid} failed")
+        arrays, num_examples, metrics = plan.reply(received)
+        if self.pid in plan.corrupt:
+            arrays = [np.full_like(a, np.nan) for a in arrays]
+        return fit_res(arrays, num_examples, metrics)
 
     def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
+        (model,) = unpacked(ins)[MODELS]
+        loss, metrics = self.plan.evaluate(self.pid, model)
+        return EvaluateRes(Status(Code.OK, ""), loss, 5, dict(metrics))
 
     def reconnect(self, ins, timeout, group_id):
         raise NotImplementedError
@@ -166,16 +182,47 @@ def client_manager(num_clients: int, reported: int | None = None) -> SimpleClien
     return manager
 
 
+@dataclass(frozen=True)
+class SyntheticSetup(StrategySetup):
+    """A StrategySetup, and how its test run is recorded and federated (what the runner would say):
+    :func:`connect_test_run` connects a strategy built on it."""
+
+    run_dir: Path = Path(".")
+    target_accuracy: float = 0.5
+    checkpoint_every: int = 0
+    stop_round: int | None = None
+    join_round: Mapping[int, int] = field(default_factory=dict)
+
+
 def make_setup(run_dir: Path, num_clients: int, true: Sequence[int] | None = None, rounds: int = 10,
-               **extra: Any) -> StrategySetup:
+               **extra: Any) -> SyntheticSetup:
     """A StrategySetup over the synthetic model, recording into ``run_dir``; ``true``: the true
     clusters (default: one)."""
-    recorder = RunRecorder(run_dir)
-    recorder.start({})
     initial = constant_model(0.0)
     true = np.zeros(num_clients, np.int64) if true is None else np.asarray(true)
-    return StrategySetup(initial, num_clients, true, rounds, seed=0, target_accuracy=0.5,
-                         recorder=recorder, wait_for_clients_s=0.0, **extra)
+    return SyntheticSetup(initial, num_clients, true, rounds, seed=0, run_dir=run_dir, **extra)
+
+
+def connect_test_run(strategy: ClusteredStrategy, run_dir: Path | None = None, resuming: bool = False) -> RoundLog:
+    """Connect ``strategy`` to a round log recording into ``run_dir`` (default: its
+    :class:`SyntheticSetup`'s), as the runner does; once (later calls return the same log).
+    ``resuming``: the run directory is an existing run's, continued (not started afresh)."""
+    if strategy.observer is not None:
+        return strategy.observer
+    setup = strategy.setup
+    recorder = RunRecorder(run_dir or setup.run_dir)
+    if not resuming:
+        recorder.start({})
+    log = RoundLog(recorder, setup.true_clusters, getattr(setup, "target_accuracy", 0.5), setup.rounds,
+                   getattr(setup, "checkpoint_every", 0), stop_round=getattr(setup, "stop_round", None),
+                   title=strategy.name)
+    strategy.connect(Federation(join_round=getattr(setup, "join_round", {}), wait_for_clients_s=0.0), log)
+    return log
+
+
+def recorded_rows(strategy: ClusteredStrategy) -> list[dict[str, Any]]:
+    """The rows the strategy's round log recorded."""
+    return strategy.observer.recorder.rows
 
 
 # ---- one round, driven as Flower's server loop drives it --------------------------------------------
@@ -218,7 +265,19 @@ def unpacked(ins: FitIns | EvaluateIns) -> dict[str, list[NDArrays]]:
     return protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
 
 
-def drive_round(
+@dataclass
+class RoundPlan:
+    """How the synthetic clients answer one round (see :func:`synthetic_round`)."""
+
+    strategy: ClusteredStrategy
+    reply: SyntheticClient
+    fail: Collection[int]
+    corrupt: Collection[int]
+    evaluate: Evaluation
+    received: dict[int, Received] = field(default_factory=dict)
+
+
+def synthetic_round(
     strategy: ClusteredStrategy,
     manager: SimpleClientManager,
     rnd: int,
@@ -229,44 +288,24 @@ def drive_round(
     evaluate: Evaluation = evaluated_at_80_percent,
     shuffle: np.random.Generator | None = None,
 ) -> dict[int, Received]:
-    """Play Flower round ``rnd`` in memory: configure_fit, every client's FitRes, aggregate_fit,
-    configure_evaluate, every EvaluateRes, aggregate_evaluate.
+    """Play Flower round ``rnd`` with the in-process engine's round loop over ``manager``'s
+    :class:`FakeProxy` clients (connecting the strategy to its test run first, once).
 
     ``reply(received)`` is the synthetic client: the (arrays, num_examples, metrics) it sends back
-    for what it received; it is called in the order of the strategy's instructions. A client in
-    ``fail`` raises instead (a failure; ``reply`` is not asked); one in ``corrupt`` replies with
-    its arrays turned to NaN. ``evaluate(pid, model)`` is the (loss, metrics) of client ``pid``
-    evaluated on the model it was sent. ``shuffle`` permutes the order in which the fit and the
-    evaluate results reach the strategy, as arrival order does in Flower.
+    for what it received. A client in ``fail`` raises instead (a failure; ``reply`` is not asked);
+    one in ``corrupt`` replies with its arrays turned to NaN. ``evaluate(pid, model)`` is the
+    (loss, metrics) of client ``pid`` evaluated on the model it was sent. ``shuffle`` permutes the
+    order in which the fit and the evaluate results reach the strategy, as arrival order does in
+    Flower.
 
     Returns what each instructed client received, by partition id, failed ones included.
     """
-    received, results, failures = {}, [], []
-    fit_instructions = strategy.configure_fit(rnd, None, manager)
-    instructions = strategy.messages.instructions
-    for proxy, ins in fit_instructions:
-        client = Received(proxy.pid, ins.config[TASK_KEY], unpacked(ins), dict(ins.config), instructions[proxy.pid])
-        received[proxy.pid] = client
-        if proxy.pid in fail:
-            failures.append(RuntimeError(f"client {proxy.pid} failed"))
-            continue
-        arrays, num_examples, metrics = reply(client)
-        if proxy.pid in corrupt:
-            arrays = [np.full_like(a, np.nan) for a in arrays]
-        results.append((proxy, fit_res(arrays, num_examples, metrics)))
-    if shuffle is not None:
-        shuffle.shuffle(results)
-    strategy.aggregate_fit(rnd, results, failures)
-
-    evaluations = []
-    for proxy, ins in strategy.configure_evaluate(rnd, None, manager):
-        (model,) = unpacked(ins)[MODELS]
-        loss, metrics = evaluate(proxy.pid, model)
-        evaluations.append((proxy, EvaluateRes(Status(Code.OK, ""), loss, 5, dict(metrics))))
-    if shuffle is not None:
-        shuffle.shuffle(evaluations)
-    strategy.aggregate_evaluate(rnd, evaluations, [])
-    return received
+    connect_test_run(strategy)
+    plan = RoundPlan(strategy, reply, fail, corrupt, evaluate)
+    for proxy in manager.all().values():
+        proxy.plan = plan
+    play_round(strategy, manager, rnd, arrival=None if shuffle is None else shuffle.shuffle)
+    return plan.received
 
 
 # ---- dataset files --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from fedcluster_flwr.results import format_summary
 from fedcluster_flwr.client_app import ExperimentClientApp, make_client_fn
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import config_from_run_config
-from fedcluster_flwr.inprocess import InProcessProxy
+from fedcluster_flwr.engines.inprocess import InProcessProxy
 from fedcluster_flwr.results import read_summary
 from fedcluster_flwr.server_app import (
     FLWR_RUN_LOG_FILTER,

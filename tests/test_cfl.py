@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_CONFIG
-from helpers import DIM, Received, assert_same_state, client_manager, drive_round, flat, make_setup, select_metrics, unflatten
-from fedcluster_flwr.clustering import bipartition
+from helpers import DIM, Received, assert_same_state, client_manager, synthetic_round, flat, make_setup, select_metrics, unflatten
+from fedcluster_flwr.algorithms.cfl.math import bipartition
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.schema import ConfigError
-from fedcluster_flwr.strategies.cfl import CFL, CFLOptions, cosine_similarity
-from fedcluster_flwr.strategies.core import UNASSIGNED
-from fedcluster_flwr.tasks.selection import TRAIN_SELECT
+from fedcluster_flwr.algorithms.cfl.math import cosine_similarity
+from fedcluster_flwr.algorithms.cfl.strategy import CFL, CFLOptions
+from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED
+from fedcluster_flwr.algorithms.base.selection import TRAIN_SELECT
 
 OPTIONS = CFLOptions(thresholds="absolute", eps1=0.5, eps2=1.0)  # the paper's form, on hand-made unit-scale updates
 
@@ -60,7 +61,7 @@ def cfl(tmp_path, num_clients: int, options: CFLOptions = OPTIONS, true=None) ->
 
 def test_a_cluster_at_a_stationary_point_with_a_diverging_client_splits(tmp_path):
     strategy = cfl(tmp_path, 4)
-    drive_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
     (split,) = strategy.splits
     assert split.round == 1 and split.parent == 0 and split.children == (1, 2)
     assert split.members == ((0, 2), (1, 3))
@@ -86,7 +87,7 @@ def test_no_split_unless_every_condition_holds(tmp_path, case):
     elif case == "too small":  # 4 updates < 2 * min_cluster_size
         options = replace(OPTIONS, min_cluster_size=3)
     strategy = cfl(tmp_path, 4, options)
-    drive_round(strategy, client_manager(4), rnd, adding(updates))
+    synthetic_round(strategy, client_manager(4), rnd, adding(updates))
     assert strategy.splits == [] and sorted(strategy.models) == [0]
     assert strategy.assignment.tolist() == [0, 0, 0, 0]
     mean, largest = strategy.norms[0]
@@ -104,22 +105,22 @@ def test_relative_thresholds_are_shares_of_the_update_scale_before_any_split(tmp
     strategy = cfl(tmp_path / str(scale), 4, CFLOptions())
     manager = client_manager(4)
     together = {p: scale * direction(0) for p in range(4)}
-    drive_round(strategy, manager, 1, adding(together))
+    synthetic_round(strategy, manager, 1, adding(together))
     assert strategy.splits == [] and strategy.norm_scale == pytest.approx(scale, rel=1e-5)
     assert strategy.thresholds() == pytest.approx((0.5 * scale, 0.8 * scale), rel=1e-5)
     camps = {p: scale * u for p, u in two_camps(range(4), {0, 2}, size=0.9, noise=0.01).items()}
-    drive_round(strategy, manager, 2, adding(camps))
+    synthetic_round(strategy, manager, 2, adding(camps))
     assert [s.round for s in strategy.splits] == [2] and strategy.assignment.tolist() == [1, 2, 1, 2]
     # S is fixed by the first split: a child's smaller updates do not lower the thresholds
-    drive_round(strategy, manager, 3, adding({p: 0.1 * scale * direction(1) for p in range(4)}))
+    synthetic_round(strategy, manager, 3, adding({p: 0.1 * scale * direction(1) for p in range(4)}))
     assert strategy.norm_scale == pytest.approx(scale, rel=1e-5)
 
 
 def test_relative_thresholds_do_not_split_camps_below_eps2_of_the_scale(tmp_path):
     strategy = cfl(tmp_path, 4, CFLOptions())
     manager = client_manager(4)
-    drive_round(strategy, manager, 1, adding({p: direction(0) for p in range(4)}))  # S = 1
-    drive_round(strategy, manager, 2, adding(two_camps(range(4), {0, 2}, size=0.7, noise=0.01)))  # max 0.7 < 0.8
+    synthetic_round(strategy, manager, 1, adding({p: direction(0) for p in range(4)}))  # S = 1
+    synthetic_round(strategy, manager, 2, adding(two_camps(range(4), {0, 2}, size=0.7, noise=0.01)))  # max 0.7 < 0.8
     assert strategy.splits == []
 
 
@@ -127,9 +128,9 @@ def test_the_warm_up_only_delays_the_split(tmp_path):
     strategy = cfl(tmp_path, 4, replace(OPTIONS, warmup_rounds=2))
     manager = client_manager(4)
     for rnd in (1, 2):
-        drive_round(strategy, manager, rnd, adding(two_camps(range(4), {0, 2})))
+        synthetic_round(strategy, manager, rnd, adding(two_camps(range(4), {0, 2})))
         assert strategy.splits == []
-    drive_round(strategy, manager, 3, adding(two_camps(range(4), {0, 2})))
+    synthetic_round(strategy, manager, 3, adding(two_camps(range(4), {0, 2})))
     assert [s.round for s in strategy.splits] == [3]
 
 
@@ -137,10 +138,10 @@ def test_no_split_leaves_a_child_below_min_cluster_size(tmp_path):
     # 3 + 1: the bi-partition cuts off client 3 alone, which min_cluster_size 2 refuses
     updates = {p: direction(0) * (1.5 if p < 3 else -4.5) for p in range(4)}
     strategy = cfl(tmp_path, 4, replace(OPTIONS, min_cluster_size=2))
-    drive_round(strategy, client_manager(4), 1, adding(updates))
+    synthetic_round(strategy, client_manager(4), 1, adding(updates))
     assert strategy.splits == []
     strategy = cfl(tmp_path / "paper", 4)  # min_cluster_size 1 (the paper): the outlier is its own cluster
-    drive_round(strategy, client_manager(4), 1, adding(updates))
+    synthetic_round(strategy, client_manager(4), 1, adding(updates))
     assert strategy.splits[0].members == ((0, 1, 2), (3,))
 
 
@@ -153,9 +154,9 @@ def test_the_weighted_mean_is_the_paper_s_and_uniform_the_reference_code_s(tmp_p
         return arrays, sizes[received.pid], metrics
 
     weighted = cfl(tmp_path / "w", 4)
-    drive_round(weighted, client_manager(4), 1, client)
+    synthetic_round(weighted, client_manager(4), 1, client)
     uniform = cfl(tmp_path / "u", 4, replace(OPTIONS, mean_update="uniform"))
-    drive_round(uniform, client_manager(4), 1, client)
+    synthetic_round(uniform, client_manager(4), 1, client)
     assert weighted.splits and not uniform.splits  # ‖(3·2 − 3·2)/6‖ ~ 0 < ε1; ‖(2 − 6)/4‖ = 1 > ε1
 
 
@@ -179,7 +180,7 @@ def test_the_optimal_bipartition_minimises_the_largest_cross_similarity():
 
 def test_complete_linkage_is_the_reference_code_s_option(tmp_path):
     strategy = cfl(tmp_path, 4, replace(OPTIONS, bipartition="complete"))
-    drive_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {1, 2})))
+    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {1, 2})))
     assert strategy.splits[0].members == ((0, 3), (1, 2))
 
 
@@ -194,14 +195,14 @@ def test_a_split_of_a_sub_cluster_maps_its_indices_to_global_client_ids(tmp_path
     strategy = cfl(tmp_path, 16)
     first_round = two_camps(range(16), set(members), size=2.0)
     first_round |= {p: 3 * first_round[p] for p in members}  # 4 · 6 against 12 · 2: the mean ~0
-    drive_round(strategy, manager, 1, adding(first_round))
+    synthetic_round(strategy, manager, 1, adding(first_round))
     (first,) = strategy.splits
     inner = first.children[first.members.index(members)]
     assert np.flatnonzero(strategy.assignment == inner).tolist() == list(members)
 
     rest = [p for p in range(16) if p not in members]
     second_round = two_camps(members, {3, 11}, size=2.0, seed=1) | {p: 2.0 * direction(2) for p in rest}
-    drive_round(strategy, manager, 2, adding(second_round))
+    synthetic_round(strategy, manager, 2, adding(second_round))
     second = strategy.splits[1]
     assert second.parent == inner
     assert second.members == ((3, 11), (7, 14))  # not (0, 2), (1, 3): the sub-matrix's indices
@@ -214,11 +215,11 @@ def test_the_children_start_from_the_parent_s_model_and_take_only_their_members_
     strategy = cfl(tmp_path, 4)
     manager = client_manager(4)
     warm = {p: 2.0 * direction(3) for p in range(4)}  # no split: mean large
-    drive_round(strategy, manager, 1, adding(warm))
+    synthetic_round(strategy, manager, 1, adding(warm))
     parent = flat(strategy.models[0])
     left, right = 1.5 * direction(0) + 0.2 * direction(1), -1.5 * direction(0) + 0.2 * direction(2)
     updates = {0: left, 2: left, 1: right, 3: right}
-    received = drive_round(strategy, manager, 2, adding(updates))
+    received = synthetic_round(strategy, manager, 2, adding(updates))
     assert all(np.array_equal(flat(received[p].models[0]), parent) for p in range(4))  # θ_c sent to all
     (split,) = strategy.splits
     (a, b) = split.children
@@ -226,7 +227,7 @@ def test_the_children_start_from_the_parent_s_model_and_take_only_their_members_
     # θ_child = θ_parent (as sent in the split round) + the mean update of the child's own members
     np.testing.assert_array_equal(flat(strategy.models[a]), (parent + left).astype(np.float32))
     np.testing.assert_array_equal(flat(strategy.models[b]), (parent + right).astype(np.float32))
-    received = drive_round(strategy, manager, 3, adding({p: 0.01 * direction(4) for p in range(4)}))
+    received = synthetic_round(strategy, manager, 3, adding({p: 0.01 * direction(4) for p in range(4)}))
     assert np.array_equal(flat(received[0].models[0]), flat(received[2].models[0]))
     assert not np.array_equal(flat(received[0].models[0]), flat(received[1].models[0]))
 
@@ -235,12 +236,12 @@ def test_a_member_without_an_update_in_the_split_round_is_placed_among_the_child
     strategy = cfl(tmp_path, 5)
     manager = client_manager(5)
     updates = two_camps(range(5), {0, 2, 4})
-    drive_round(strategy, manager, 1, adding(updates), fail={4})
+    synthetic_round(strategy, manager, 1, adding(updates), fail={4})
     (split,) = strategy.splits
     assert split.members == ((0, 2), (1, 3))
     assert strategy.assignment[4] == UNASSIGNED and strategy.unplaced == {4: 0}
     assert np.array_equal(flat(strategy.evaluation_model(4)), flat(strategy.parent_models[0]))  # the parent's
-    received = drive_round(strategy, manager, 2, adding({p: 0.01 * direction(5) for p in range(4)} | {4: updates[4]}))
+    received = synthetic_round(strategy, manager, 2, adding({p: 0.01 * direction(5) for p in range(4)} | {4: updates[4]}))
     assert received[4].task == TRAIN_SELECT.name and received[4].instruction.clusters == split.children
     assert strategy.assignment[4] == split.children[0] and strategy.unplaced == {} and strategy.parent_models == {}
 
@@ -249,7 +250,7 @@ def test_the_state_round_trip_continues_identically(tmp_path):
     manager = client_manager(6)
     strategy = cfl(tmp_path / "a", 6)
     updates = two_camps(range(6), {0, 1, 5})
-    drive_round(strategy, manager, 1, adding(updates), fail={5})
+    synthetic_round(strategy, manager, 1, adding(updates), fail={5})
     state = strategy.state_dict()
     assert state["splits"][0]["members"] == [[0, 1], [2, 3, 4]] and state["unplaced"] == {5: 0}
     copy = cfl(tmp_path / "b", 6)
@@ -260,7 +261,7 @@ def test_the_state_round_trip_continues_identically(tmp_path):
                                            "mean_update")
     assert CFL.options_fixed_by(cfl(tmp_path / "c", 6).state_dict()) == ()
     for each in (strategy, copy):
-        drive_round(each, manager, 2, adding(updates))
+        synthetic_round(each, manager, 2, adding(updates))
     assert_same_state(copy.state_dict(), strategy.state_dict())
     summary = strategy.summary()
     assert summary["first_split_round"] == 1 and summary["splits"][0]["children"] == [1, 2]
@@ -271,8 +272,8 @@ def test_the_state_round_trip_continues_identically(tmp_path):
 
 def test_round_rows_record_the_norms_and_the_splits(tmp_path):
     strategy = cfl(tmp_path, 4, true=[0, 1, 0, 1])
-    drive_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
-    (row,) = strategy.setup.recorder.rows
+    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    (row,) = strategy.observer.recorder.rows
     assert set(row["update_norms"]) == {"0"} and row["update_norms"]["0"]["max"] > OPTIONS.eps2
     assert row["splits"][0]["members"] == [[0, 2], [1, 3]] and row["num_splits"] == 1
     assert row["ari"] == 1.0 and row["purity"] == 1.0 and row["num_clusters"] == 2
@@ -310,7 +311,7 @@ def test_cfl_finds_the_four_label_swap_groups_of_the_default_config(tmp_path):
     overrides = ["strategy.name=cfl", "strategy.client_fraction=1.0", "rounds=16"]
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
     strategy = run_in_process(config, tmp_path / "run")
-    rows = strategy.setup.recorder.rows
+    rows = strategy.observer.recorder.rows
     assert len(strategy.splits) == 3 and rows[-1]["num_clusters"] == 4
     assert rows[-1]["ari"] == 1.0 and rows[-1]["purity"] == 1.0
     assert all(s.alpha_max_cross < 0.3 for s in strategy.splits)
@@ -323,7 +324,7 @@ HELD_OUT = ["strategy.name=cfl", "partition.num_clients=18", "partition.num_grou
 
 def held_out_run(tmp_path, *extra: str) -> dict:
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*HELD_OUT, *extra)])
-    return run_in_process(config, tmp_path / "run").setup.recorder.rows[-1]
+    return run_in_process(config, tmp_path / "run").observer.recorder.rows[-1]
 
 
 def test_cfl_relative_thresholds_find_three_groups_of_a_held_out_case(tmp_path):
@@ -351,7 +352,7 @@ def test_a_checkpoint_split_before_relative_thresholds_existed_is_not_resumed_as
     """Its splits followed the absolute ε and it holds no update scale S: resumed under relative
     thresholds ε would be 0 and no cluster would split again, so the resume says what to set."""
     strategy = cfl(tmp_path / "a", 4)
-    drive_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
     old = deepcopy(strategy.state_dict())
     del old["norm_scale"]
     with pytest.raises(ConfigError, match=r"^strategy\.thresholds: .*thresholds: absolute"):

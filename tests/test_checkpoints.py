@@ -18,7 +18,7 @@ from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.results import load_checkpoint
 
 STOP_AFTER = {
@@ -48,7 +48,7 @@ def test_a_resumed_run_continues_bit_for_bit(case, tmp_path):
         artifact.unlink()  # the checkpoint alone must carry the state
     resumed = run_in_process(config, stopped, resume=True)
 
-    assert rows_without_timing(resumed.log.recorder.rows) == rows_without_timing(whole.log.recorder.rows)
+    assert rows_without_timing(resumed.observer.recorder.rows) == rows_without_timing(whole.observer.recorder.rows)
     assert_same_state(resumed.state_dict(), whole.state_dict())
     assert_same_state(load_checkpoint(stopped), load_checkpoint(tmp_path / "whole"), skip=("wall_seconds",))
 

@@ -14,17 +14,7 @@ from scipy.cluster import hierarchy
 from scipy.spatial.distance import pdist, squareform
 
 from fedcluster_flwr import clustering
-from fedcluster_flwr.clustering import (
-    DISTANCES,
-    LINKAGES,
-    UpdateMatrix,
-    cluster_scores,
-    hierarchical_clustering,
-    pairwise_distances,
-    purity,
-    renumber,
-    silhouette_cut,
-)
+from fedcluster_flwr.clustering import DISTANCES, LINKAGES, UpdateMatrix, cluster_scores, hierarchical_clustering, pairwise_distances, purity, renumber, silhouette_cut
 from fedcluster_flwr.l1_kernel import add_l1_distances
 
 VALID_PAIRS = [(d, link) for d, link in itertools.product(DISTANCES, LINKAGES) if link != "ward" or d == "l2"]

@@ -101,9 +101,9 @@ def test_the_configs_dataset_facts_are_those_of_the_loaded_pool():
 
 def all_options_classes():
     from fedcluster_flwr.data.partitions import PARTITIONERS
-    from fedcluster_flwr.strategies import STRATEGIES
+    from fedcluster_flwr.registry import strategies
 
-    return {cls for s in STRATEGIES.values() for cls in s.Options.__mro__ if dataclasses.is_dataclass(cls)} | {
+    return {cls for s in strategies().values() for cls in s.Options.__mro__ if dataclasses.is_dataclass(cls)} | {
         p.options for p in PARTITIONERS.values()}
 
 
@@ -142,7 +142,7 @@ BAD_CONFIGS = [
     (["dataset.name=imagenet"], "dataset.name", "available: digits, mnist"),
     (["model.name=resnet"], "model.name", "available: cnn_briggs"),
     (["model.name=lenet_cifar"], "model.name", "cannot take digits's inputs"),
-    (["strategy.name=fedprox"], "strategy.name", "available: fedavg"),
+    (["strategy.name=fedprox"], "strategy.name", "available: cfl, dac, dac_var, fedavg"),
     (["partition.name=shards"], "partition.name", "available: iid"),
     (["partition.test_fraction=1.5"], "partition.test_fraction", "must be in (0, 1)"),
     (["strategy.treshold=3"], "strategy.treshold", "did you mean 'threshold'"),
@@ -264,9 +264,9 @@ SWAPS_REFUSED = {("mnist_iid_fedavg.yaml", "flhc"): "strategy.rounds_before_clus
 
 
 def _strategy_names():
-    from fedcluster_flwr.strategies import STRATEGIES
+    from fedcluster_flwr.registry import strategies
 
-    return list(STRATEGIES)
+    return list(strategies())
 
 
 @pytest.mark.parametrize("strategy", _strategy_names())
@@ -277,7 +277,7 @@ def test_every_strategy_swaps_in_on_every_conf_with_one_override(path, strategy,
     listed pair only, one error line naming its key and the YAML's strategy."""
     from fedcluster_flwr.config import carries_over
     from fedcluster_flwr.schema import config_key
-    from fedcluster_flwr.strategies import STRATEGIES
+    from fedcluster_flwr.registry import strategies
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the pretrained-feature conf's ResNet-18 file, faked
     weights = tmp_path / ".cache" / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
@@ -292,7 +292,7 @@ def test_every_strategy_swaps_in_on_every_conf_with_one_override(path, strategy,
         return
     config, notes = load_config(path, [("strategy.name", strategy)])
     assert config.strategy.name == strategy
-    old, new = STRATEGIES[yaml_strategy["name"]], STRATEGIES[strategy]
+    old, new = strategies()[yaml_strategy["name"]], strategies()[strategy]
     defaults = new.Options.__dataclass_fields__
     for field in dataclasses.fields(config.strategy.options):
         key, value = config_key(field), getattr(config.strategy.options, field.name)

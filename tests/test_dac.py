@@ -14,13 +14,14 @@ from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
 from fedcluster_flwr.protocol import MODELS
-from fedcluster_flwr.strategies.dac import (
-    DAC, PENS, DACOptions, DACVar, DACVarOptions, GossipOptions, OracleGossip, PENSOptions, RandomGossip, centred_tau,
-    reference_tau, reference_two_hop_update, two_hop_similarities,
+from fedcluster_flwr.algorithms.dac.math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
+from fedcluster_flwr.algorithms.dac.pens import PENS
+from fedcluster_flwr.algorithms.dac.strategy import (
+    DAC, DACOptions, DACVar, DACVarOptions, GossipOptions, OracleGossip, PENSOptions, RandomGossip,
 )
-from fedcluster_flwr.strategies.fedavg import LocalOnly, LocalOptions
-from fedcluster_flwr.tasks.gossip import GOSSIP_TRAIN, MERGE_LOWEST_KEY, SAMPLES_KEY, merge_neighbours_and_train
-from helpers import Received, SyntheticClient, client_manager, constant_model, drive_round, flat, make_setup, random_weights
+from fedcluster_flwr.algorithms.baselines.strategy import LocalOnly, LocalOptions
+from fedcluster_flwr.algorithms.dac.tasks import GOSSIP_TRAIN, MERGE_LOWEST_KEY, SAMPLES_KEY, merge_neighbours_and_train
+from helpers import connect_test_run, Received, SyntheticClient, client_manager, constant_model, synthetic_round, flat, make_setup, random_weights
 
 N = 8
 TRUE = np.array([0, 0, 0, 0, 0, 0, 1, 1])
@@ -79,7 +80,7 @@ def test_round_one_is_uniform_and_the_relay_records_one_over_loss(tmp_path):
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=3))
     manager = client_manager(N)
     before = {p: flat(m).copy() for p, m in strategy.client_models.items()}
-    received = drive_round(strategy, manager, 1, gossip_client())
+    received = synthetic_round(strategy, manager, 1, gossip_client())
     assert set(received) == set(range(N))  # client_fraction 1.0
     for pid, client in received.items():
         assert client.task == GOSSIP_TRAIN.name and len(client.models) == 4
@@ -113,7 +114,7 @@ def test_dac_samples_the_own_cluster_once_similarities_are_known(tmp_path):
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=2, tau=50.0))
     manager = client_manager(N)
     for rnd in range(1, 11):
-        drive_round(strategy, manager, rnd, gossip_client())
+        synthetic_round(strategy, manager, rnd, gossip_client())
     assert strategy.met[6, 7] and strategy.similarity[6, 7] == 1.0 and strategy.similarity[6, 0] == 0.5
     late = [strategy.neighbours(11, 6) for _ in range(30)]
     assert all(7 in chosen for chosen in late)  # the only other client of its cluster, every time
@@ -124,11 +125,11 @@ def test_a_client_that_has_not_joined_is_never_a_neighbour(tmp_path):
     strategy = gossip(RandomGossip, tmp_path, GossipOptions(num_neighbours=3), join_round={5: 3})
     manager = client_manager(N)
     for rnd in (1, 2):
-        received = drive_round(strategy, manager, rnd, gossip_client())
+        received = synthetic_round(strategy, manager, rnd, gossip_client())
         assert 5 not in received and all(5 not in client.peers for client in received.values())
-    received = drive_round(strategy, manager, 3, gossip_client())
+    received = synthetic_round(strategy, manager, 3, gossip_client())
     assert 5 in received
-    assert any(5 in client.peers for rnd in range(4, 9) for client in drive_round(strategy, manager, rnd, gossip_client()).values())
+    assert any(5 in client.peers for rnd in range(4, 9) for client in synthetic_round(strategy, manager, rnd, gossip_client()).values())
 
 
 def test_oracle_gossip_stays_inside_the_true_cluster(tmp_path):
@@ -158,7 +159,7 @@ def test_dac_var_draws_each_exchange_with_the_tau_of_the_one_before(tmp_path):
     strategy = gossip(DACVar, tmp_path, DACVarOptions(num_neighbours=2, tau_max=30.0), pretrained=False, rounds=8)
     manager = client_manager(N)
     for rnd in range(1, 9):
-        drive_round(strategy, manager, rnd, gossip_client())
+        synthetic_round(strategy, manager, rnd, gossip_client())
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["pretrain"] + ["dac_var"] * 7
     assert [r["exchanges"] for r in rows] == list(range(8))
@@ -184,7 +185,7 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
                       join_round={5: 3})
     manager = client_manager(N)
     before = {p: flat(m).copy() for p, m in strategy.client_models.items()}
-    first = drive_round(strategy, manager, 1, gossip_client())
+    first = synthetic_round(strategy, manager, 1, gossip_client())
     assert sorted(first) == [p for p in range(N) if p != 5]
     for pid, client in first.items():
         assert client.task == protocol.TRAIN.name and client.peers == () and len(client.models) == 1
@@ -192,7 +193,7 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
         assert client.config.get(protocol.EPOCHS_KEY) == sent
     assert strategy.communication.sum() == 0 and not strategy.met.any()
     for rnd in (2, 3, 4):
-        received = drive_round(strategy, manager, rnd, gossip_client())
+        received = synthetic_round(strategy, manager, rnd, gossip_client())
         tasks = {pid: client.task for pid, client in received.items()}
         if rnd == 2:
             assert 5 not in tasks and all(5 not in client.peers for client in received.values())
@@ -207,7 +208,7 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
 
 def test_without_pretraining_round_one_exchanges_untrained_models(tmp_path):
     strategy = gossip(RandomGossip, tmp_path, GossipOptions(pretrain_epochs=0), pretrained=False)
-    received = drive_round(strategy, client_manager(N), 1, gossip_client())
+    received = synthetic_round(strategy, client_manager(N), 1, gossip_client())
     assert {client.task for client in received.values()} == {GOSSIP_TRAIN.name}
 
 
@@ -269,7 +270,7 @@ def test_local_never_receives_another_clients_model(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, N))
     for pid in range(N):
         strategy.client_models[pid] = constant_model(pid)
-    received = drive_round(strategy, client_manager(N), 1, gossip_client())
+    received = synthetic_round(strategy, client_manager(N), 1, gossip_client())
     assert sorted(received) == list(range(N))
     for pid, client in received.items():
         (model,) = client.models
@@ -307,7 +308,7 @@ def test_a_validation_split_is_held_out_of_training_and_selects_the_reported_mod
     manager = client_manager(N)
     for rnd, (val_loss, accuracy) in enumerate([(0.9, 0.5), (0.4, 0.7), (0.6, 0.9)], start=1):
         reported = {protocol.ACCURACY: accuracy, protocol.VAL_LOSS: val_loss}
-        drive_round(strategy, manager, rnd, gossip_client(), evaluate=lambda pid, model, reported=reported: (0.5, reported))
+        synthetic_round(strategy, manager, rnd, gossip_client(), evaluate=lambda pid, model, reported=reported: (0.5, reported))
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["mean_client_accuracy"] for r in rows] == [0.5, 0.7, 0.9]
     assert [r["mean_best_val_accuracy"] for r in rows] == [0.5, 0.7, 0.7]  # round 2's model kept the lowest val loss
@@ -328,7 +329,7 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
 
     expected = np.zeros((N, N), dtype=int)
     for rnd in (1, 2, 3):
-        for pid, client in drive_round(strategy, manager, rnd, gossip_client(loss)).items():
+        for pid, client in synthetic_round(strategy, manager, rnd, gossip_client(loss)).items():
             assert client.task == GOSSIP_TRAIN.name and len(client.peers) == 3 and client.config[MERGE_LOWEST_KEY] == 1
             expected[pid, min(client.peers, key=lambda q: loss(pid, q))] += 1
     np.testing.assert_array_equal(strategy.kept_counts, expected)
@@ -337,7 +338,7 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["pens_selection"] * 3
     for rnd in range(4, 10):
-        for pid, client in drive_round(strategy, manager, rnd, gossip_client(loss)).items():
+        for pid, client in synthetic_round(strategy, manager, rnd, gossip_client(loss)).items():
             kept = set(np.flatnonzero(strategy.neighbour_sets[pid]).tolist())
             assert set(client.peers) <= kept and len(client.peers) == min(3, len(kept))
             assert MERGE_LOWEST_KEY not in client.config  # every drawn peer is merged
@@ -352,12 +353,12 @@ def test_pens_selection_candidates_draws_more_peers_while_selecting_and_num_neig
     strategy = gossip(PENS, tmp_path, options)
     manager = client_manager(N)
     for rnd in (1, 2):
-        for pid, client in drive_round(strategy, manager, rnd, gossip_client(loss_by_true_cluster)).items():
+        for pid, client in synthetic_round(strategy, manager, rnd, gossip_client(loss_by_true_cluster)).items():
             assert len(client.peers) == N - 1 and client.config[MERGE_LOWEST_KEY] == 1
     kept = strategy.kept_counts > 0
     assert all(TRUE[j] == TRUE[i] for i, j in zip(*np.nonzero(kept)))  # the m lowest: own cluster only
     assert kept.sum(axis=1).min() >= 1
-    for pid, client in drive_round(strategy, manager, 3, gossip_client(loss_by_true_cluster)).items():
+    for pid, client in synthetic_round(strategy, manager, 3, gossip_client(loss_by_true_cluster)).items():
         assert len(client.peers) == 1 and TRUE[client.peers[0]] == TRUE[pid]
     # the DAC reference's PENS (null): the same n while selecting as after
     assert PENSOptions().selection_candidates is None
@@ -431,14 +432,14 @@ def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_p
     assert shapes[0] == shapes[1]
 
     strategy = gossip(RandomGossip, tmp_path / "run", GossipOptions(num_neighbours=2), cluster_names=("upright", "rotated"))
-    drive_round(strategy, client_manager(N), 1, gossip_client())
-    strategy.setup.recorder.write_artifacts(strategy.artifacts())
+    synthetic_round(strategy, client_manager(N), 1, gossip_client())
+    connect_test_run(strategy).recorder.write_artifacts(strategy.artifacts())
     assert matplotlib.image.imread(tmp_path / "run" / "communication.png").shape == shapes[0]
 
 
 def test_the_relays_state_survives_a_checkpoint(tmp_path):
     from fedcluster_flwr.results import load_checkpoint
-    from fedcluster_flwr.strategies.round_log import resume
+    from fedcluster_flwr.round_log import resume
 
     for cls, options in ((DAC, DACOptions(num_neighbours=2, two_hop_estimate="reference")),
                          (PENS, PENSOptions(num_neighbours=3, num_kept=1, selection_rounds=2))):
@@ -446,9 +447,9 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
         strategy = gossip(cls, folder, options, pretrained=False, checkpoint_every=1)
         manager = client_manager(N)
         for rnd in (1, 2, 3, 4):
-            drive_round(strategy, manager, rnd, gossip_client())
+            synthetic_round(strategy, manager, rnd, gossip_client())
         resumed = gossip(cls, tmp_path / f"{cls.name}_resumed", options, pretrained=False)
-        resume(resumed, load_checkpoint(folder))
+        resume(resumed, connect_test_run(resumed), load_checkpoint(folder))
         assert resumed.exchanges == strategy.exchanges == 3 and resumed.pretrained.all()
         np.testing.assert_array_equal(resumed.estimate, strategy.estimate)
         if cls is PENS:
@@ -462,7 +463,7 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
 def test_pens_and_the_reference_two_hop_run_on_real_clients(tmp_path):
     """PENS and DAC with the reference code's two-hop estimates, end to end on real digits clients
     (in process): pretraining, selection with merge_lowest, gossip among the kept; nothing refused."""
-    from fedcluster_flwr.inprocess import run_in_process
+    from fedcluster_flwr.engines.inprocess import run_in_process
 
     settings = ("rounds=6", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[14,6]",
                 "strategy.client_fraction=1.0", "strategy.num_neighbours=3", "client.epochs=1")
@@ -470,7 +471,7 @@ def test_pens_and_the_reference_two_hop_run_on_real_clients(tmp_path):
                         ("dac", ("strategy.two_hop_estimate=reference",))):
         config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*settings, f"strategy.name={name}", *extra)])
         strategy = run_in_process(config, tmp_path / name)
-        rows = strategy.setup.recorder.rows
+        rows = strategy.observer.recorder.rows
         assert sum(r["rejected_updates"] + r["fit_failures"] for r in rows) == 0
         assert rows[0]["phase"] == "pretrain" and strategy.exchanges == 5
         if name == "pens":

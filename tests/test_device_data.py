@@ -22,8 +22,8 @@ from fedcluster_flwr.data.device import (
     node_data_source,
 )
 from fedcluster_flwr.experiment import client_data
-from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions
-from helpers import FakeProxy, constant_model, drive_round, make_setup
+from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
+from helpers import FakeProxy, constant_model, synthetic_round, make_setup
 
 THREE_CLIENTS = [("partition.num_clients", 3)]
 
@@ -182,8 +182,8 @@ def federation(*proxies):
 def test_a_device_without_a_cluster_id_makes_the_true_cluster_scores_unavailable_not_zero(tmp_path):
     strategy = FedAvg(FractionOptions(client_fraction=1.0), make_setup(tmp_path, 3, true=[0, 1, 1]))
     manager = federation(FakeProxy("a", 0, 3), FakeProxy("b", 1, 3), DeviceProxy("c", 2, 3, examples=50))
-    drive_round(strategy, manager, 1, lambda c: (constant_model(1.0), 10, {}))
-    row = strategy.log.recorder.rows[-1]
+    synthetic_round(strategy, manager, 1, lambda c: (constant_model(1.0), 10, {}))
+    row = strategy.observer.recorder.rows[-1]
     assert row["purity"] is None and row["ari"] is None and row["nmi"] is None
     assert row["true_cluster_unavailable"] == [2]
     assert row["per_true_cluster_accuracy"] == {"0": 0.8, "1": 0.8}  # client 2 counts under no true cluster
@@ -194,8 +194,8 @@ def test_a_device_without_a_cluster_id_makes_the_true_cluster_scores_unavailable
 def test_a_device_with_a_cluster_id_is_scored_with_it_and_its_size_bounds_its_replies(tmp_path):
     strategy = FedAvg(FractionOptions(client_fraction=1.0), make_setup(tmp_path, 3, true=[0, 0, 0], train_sizes=[10, 10, 10]))
     manager = federation(FakeProxy("a", 0, 3), FakeProxy("b", 1, 3), DeviceProxy("c", 2, 3, examples=50, cluster=1))
-    drive_round(strategy, manager, 1, lambda c: (constant_model(1.0), 40 if c.pid == 2 else 10, {}))
-    row = strategy.log.recorder.rows[-1]
+    synthetic_round(strategy, manager, 1, lambda c: (constant_model(1.0), 40 if c.pid == 2 else 10, {}))
+    row = strategy.observer.recorder.rows[-1]
     assert row["rejected_updates"] == 0  # 40 examples: over the partition's 10, within the device's 50
     assert row["purity"] == pytest.approx(2 / 3) and "true_cluster_unavailable" not in row  # one cluster, true 0, 0, 1
     assert set(row["per_true_cluster_accuracy"]) == {"0", "1"}

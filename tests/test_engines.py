@@ -21,7 +21,7 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.engines import batched as batched_module
 from fedcluster_flwr.engines.batched import Rendezvous, Request
 from fedcluster_flwr.engines.stacked import ClientBatchData, evaluate_stacked, train_stacked
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.models import build_model
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.training import TrainSettings, evaluate, train
@@ -52,7 +52,7 @@ def run_case(case: str, engine: str, tmp_path: Path, *extra: str):
 @pytest.mark.parametrize("case", FAMILY_CASES)
 def test_batched_makes_the_decisions_of_inprocess_every_round(case, tmp_path):
     one_by_one, batched = run_case(case, "inprocess", tmp_path), run_case(case, "batched", tmp_path)
-    rows, batched_rows = one_by_one.setup.recorder.rows, batched.setup.recorder.rows
+    rows, batched_rows = one_by_one.observer.recorder.rows, batched.observer.recorder.rows
     assert len(rows) == len(batched_rows) == 7
     gossip = hasattr(one_by_one, "communication")
     same = [k for k in SAME_EVERY_ROUND if not (gossip and k in GOSSIP_REPORTED)]
@@ -141,7 +141,7 @@ def test_a_checkpoint_moves_between_engines(tmp_path):
     run_in_process(inprocess, tmp_path / "moved", stop_after=3)
     moved = run_in_process(batched, tmp_path / "moved", resume=True)
     straight = run_in_process(inprocess, tmp_path / "straight")
-    moved_rows, rows = moved.setup.recorder.rows, straight.setup.recorder.rows
+    moved_rows, rows = moved.observer.recorder.rows, straight.observer.recorder.rows
     assert [r["round"] for r in moved_rows][-2:] == [4, 5]
     for got, expected in zip(moved_rows[-2:], rows[-2:]):
         assert got["fit_clients"] == expected["fit_clients"] and got["num_clusters"] == expected["num_clusters"]
@@ -192,7 +192,7 @@ def test_batched_runs_are_bit_for_bit_repeatable_and_end_their_workers(tmp_path,
         "rounds=6", "simulation.engine=batched", "simulation.batched_workers=2", "strategy.rounds_before_clustering=3")])
     first, second = run_in_process(config, tmp_path / "first"), run_in_process(config, tmp_path / "second")
     assert not [t for t in threading.enumerate() if t.name.startswith("batched-worker")]
-    assert_same_state(rows_without_timing(second.setup.recorder.rows), rows_without_timing(first.setup.recorder.rows))
+    assert_same_state(rows_without_timing(second.observer.recorder.rows), rows_without_timing(first.observer.recorder.rows))
     assert first.models.keys() == second.models.keys()
     for a, b in zip(first.models.values(), second.models.values()):
         assert all(np.array_equal(x, y) for x, y in zip(a, b))

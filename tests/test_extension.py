@@ -11,18 +11,18 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import DEFAULT_CONFIG
-from helpers import assert_same_state, rows_without_timing
-from fedcluster_flwr import client as client_module
+from conftest import DEFAULT_CONFIG, ROOT
+from helpers import connect_test_run, assert_same_state, rows_without_timing
+from fedcluster_flwr import registry
 from fedcluster_flwr.client import TaskInput, TaskOutput
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
 from fedcluster_flwr.results import load_checkpoint
 from fedcluster_flwr.schema import ConfigError, at_least, from_mapping, option
-from fedcluster_flwr.strategies import HOOKS, ClusteredStrategy, Instruction, Reply
-from fedcluster_flwr.strategies.round_log import resume
+from fedcluster_flwr.algorithms.base import HOOKS, ClusteredStrategy, Instruction, Reply
+from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.training import evaluate
 
 # Step 4: a new kind of client work. Sends the global model and P probe directions; the reply is
@@ -110,7 +110,7 @@ class ProbeStrategy(ClusteredStrategy):
 @pytest.fixture
 def probe_handler(monkeypatch):
     """The task's handler, registered as ``@handles(PROBE)`` would, for this test only."""
-    monkeypatch.setitem(client_module.HANDLERS, PROBE.name, (PROBE, probe_losses))
+    monkeypatch.setitem(registry.HANDLERS, PROBE.name, (PROBE, probe_losses))
 
 
 def make_probe(setup):
@@ -131,12 +131,12 @@ def test_a_toy_strategy_gets_non_model_replies_through_the_public_hooks(tmp_path
     probe_client = make_client(config, 7, 20)
     _, accuracy = evaluate(probe_client.load_model(strategy.models[0]), probe_client.data.x_test,
                            probe_client.data.y_test, probe_client.device)
-    assert accuracy == pytest.approx(strategy.log.latest_accuracy[7])  # the model evaluated is the strategy's
+    assert accuracy == pytest.approx(strategy.observer.latest_accuracy[7])  # the model evaluated is the strategy's
     losses = strategy.losses[1][7]
     assert losses.shape == (3,) and not np.allclose(losses[1:], losses[0])  # the other probes moved the model
     assert strategy.shares[7] == pytest.approx(float((probe_client.data.y_train < 5).float().mean()))
 
-    rows = strategy.log.recorder.rows
+    rows = strategy.observer.recorder.rows
     assert [r["probe_taken"] for r in rows] == strategy.steps and {r["phase"] for r in rows} == {"probing"}
     assert rows[1]["fit_failures"] == 1 and rows[1]["rejected_updates"] == 0
     run_dir = tmp_path / "run"
@@ -150,7 +150,7 @@ def test_the_toy_strategy_resumes_from_its_checkpoint_bit_for_bit(tmp_path, prob
     whole = run_in_process(config, tmp_path / "whole", make_probe)
     run_in_process(config, tmp_path / "stopped", make_probe, stop_after=1)
     resumed = run_in_process(config, tmp_path / "stopped", make_probe, resume=True)
-    assert rows_without_timing(resumed.log.recorder.rows) == rows_without_timing(whole.log.recorder.rows)
+    assert rows_without_timing(resumed.observer.recorder.rows) == rows_without_timing(whole.observer.recorder.rows)
     assert_same_state(resumed.state_dict(), whole.state_dict())
 
 
@@ -159,9 +159,12 @@ def test_the_toy_strategys_options_errors_name_the_key():
         from_mapping(ProbeOptions, {"num_probes": 1}, "strategy")
 
 
-def test_a_strategy_author_needs_fewer_hooks_than_before():
-    assert len(HOOKS) == 10 and "fit_instructions" in HOOKS  # 13 before the state_dict refactor
-    assert all(callable(getattr(ClusteredStrategy, hook)) for hook in HOOKS)
+def test_every_documented_hook_is_a_method_of_the_base_strategy():
+    documented = (ROOT / "docs" / "how-to" / "add-algorithm.md").read_text()
+    assert "fit_instructions" in HOOKS
+    for hook in HOOKS:
+        assert callable(getattr(ClusteredStrategy, hook)), hook
+        assert f"`{hook}" in documented, f"hook {hook} is not in the docs' Add an algorithm"
 
 
 def test_personal_models_survive_a_checkpoint(tmp_path):
@@ -170,6 +173,6 @@ def test_personal_models_survive_a_checkpoint(tmp_path):
     checkpoint = load_checkpoint(tmp_path / "run")
     assert sorted(checkpoint["strategy"]["client_models"]) == list(range(20))
     fresh = type(strategy)(strategy.options, strategy.setup)
-    resume(fresh, checkpoint)
+    resume(fresh, connect_test_run(fresh, tmp_path / "run", resuming=True), checkpoint)
     for pid in range(20):
         assert all(np.array_equal(a, b) for a, b in zip(fresh.client_models[pid], strategy.client_models[pid]))

@@ -9,7 +9,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import Faults
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.schema import ConfigError
 
 
@@ -48,7 +48,7 @@ def test_dropped_clients_fail_and_nan_models_are_rejected_by_the_reply_checks_co
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
     strategy = run_in_process(config, tmp_path / "run")
     faults = Faults(config.faults.drop_rate, config.faults.nan_rate, config.faults.seed)
-    rows = strategy.log.recorder.rows
+    rows = strategy.observer.recorder.rows
     assert len(rows) == config.rounds
     for row in rows:
         drawn = [faults.draw(row["round"], pid) for pid in row["fit_clients"]]

@@ -17,11 +17,11 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
 from fedcluster_flwr.protocol import MODELS, TRAIN
 from fedcluster_flwr.results import load_checkpoint
-from fedcluster_flwr.strategies.round_log import resume
+from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.schema import ConfigError
-from fedcluster_flwr.strategies.core import UNASSIGNED
-from fedcluster_flwr.strategies.ifca import IFCA, GradLoss, GradLossOptions, IFCAOptions
-from fedcluster_flwr.tasks.selection import (
+from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED
+from fedcluster_flwr.algorithms.multimodel.strategy import IFCA, GradLoss, GradLossOptions, IFCAOptions
+from fedcluster_flwr.algorithms.base.selection import (
     DIRECTIONS,
     LAMBDA_KEY,
     LOCAL_UPDATE_KEY,
@@ -38,11 +38,12 @@ from fedcluster_flwr.tasks.selection import (
 )
 from fedcluster_flwr.training import get_weights, selection_score_inputs
 from helpers import (
+    connect_test_run,
     DIM,
     Received,
     SyntheticClient,
     client_manager,
-    drive_round,
+    synthetic_round,
     flat,
     make_setup,
     random_weights,
@@ -194,13 +195,13 @@ def selecting_client(chooser=None) -> SyntheticClient:
 
 def test_sampled_clients_get_all_models_and_the_others_are_asked_once(tmp_path):
     strategy, manager = strategy_of(IFCA, tmp_path), client_manager(len(GROUPS))
-    received = drive_round(strategy, manager, 1, selecting_client())
+    received = synthetic_round(strategy, manager, 1, selecting_client())
     tasks = {pid: client.task for pid, client in received.items()}
     assert sorted(tasks.values()).count(TRAIN_SELECT.name) == 6 and sorted(tasks.values()).count(SELECT.name) == 6
     for client in received.values():
         assert len(client.models) == 3 and DIRECTIONS not in client.blocks
     assert (strategy.assignment != UNASSIGNED).all()  # everyone has an identity after round 1
-    received = drive_round(strategy, manager, 2, selecting_client())
+    received = synthetic_round(strategy, manager, 2, selecting_client())
     assert {client.task for client in received.values()} == {TRAIN_SELECT.name} and len(received) == 6
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     model_bytes = sum(a.nbytes for a in random_weights(0))
@@ -212,7 +213,7 @@ def test_one_step_with_every_device_sends_all_k_models_to_all_devices_every_iter
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, local_update="one_step")
     manager = client_manager(len(GROUPS))
     for rnd in (1, 2, 3):
-        received = drive_round(strategy, manager, rnd, selecting_client())
+        received = synthetic_round(strategy, manager, rnd, selecting_client())
         assert sorted(received) == list(range(len(GROUPS)))
         for client in received.values():
             assert client.task == TRAIN_SELECT.name and len(client.models) == len(client.blocks[DIRECTIONS]) == 3
@@ -222,37 +223,37 @@ def test_one_step_with_every_device_sends_all_k_models_to_all_devices_every_iter
 def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_model(tmp_path):
     strategy, manager = strategy_of(IFCA, tmp_path, client_fraction=1.0), client_manager(len(GROUPS))
     start = {k: flat(m).copy() for k, m in strategy.models.items()}
-    drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # nobody picks cluster 1
+    synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # nobody picks cluster 1
     assert strategy.assignment.tolist() == [0] * 6 + [2] * 6
     np.testing.assert_array_equal(flat(strategy.models[1]), start[1])
     for cluster, members in ((0, range(6)), (2, range(6, 12))):
         pulled = [flat(unflatten(start[cluster] + 0.5 * (TARGETS[GROUPS[p]] - start[cluster]))) for p in members]
         expected = np.average(pulled, axis=0, weights=[10 + p for p in members])
         np.testing.assert_allclose(flat(strategy.models[cluster]), expected, rtol=1e-5)
-    assert strategy.setup.recorder.rows[-1]["cluster_sizes"] == [6, 0, 6]
+    assert strategy.observer.recorder.rows[-1]["cluster_sizes"] == [6, 0, 6]
 
 
 def test_an_empty_cluster_is_given_a_sampled_client_only_with_reseed_empty(tmp_path):
     always_first = lambda pid, k: 0  # noqa: E731 - every client picks cluster 0
     plain = strategy_of(IFCA, tmp_path / "plain", client_fraction=1.0)
-    drive_round(plain, client_manager(len(GROUPS)), 1, selecting_client(always_first))
-    received = drive_round(plain, client_manager(len(GROUPS)), 2, selecting_client(always_first))
+    synthetic_round(plain, client_manager(len(GROUPS)), 1, selecting_client(always_first))
+    received = synthetic_round(plain, client_manager(len(GROUPS)), 2, selecting_client(always_first))
     assert {len(client.models) for client in received.values()} == {3}
 
     strategy = strategy_of(IFCA, tmp_path / "reseed", client_fraction=1.0, cluster_guard="reseed_empty")
     manager = client_manager(len(GROUPS))
-    drive_round(strategy, manager, 1, selecting_client(always_first))
+    synthetic_round(strategy, manager, 1, selecting_client(always_first))
     assert strategy.to_reseed == [1, 2]
     kept = {k: flat(strategy.models[k]).copy() for k in (1, 2)}
-    received = drive_round(strategy, manager, 2, selecting_client(always_first))
+    received = synthetic_round(strategy, manager, 2, selecting_client(always_first))
     given = {pid: client for pid, client in received.items() if len(client.models) == 1}
     assert len(given) == 2 and {client.task for client in given.values()} == {TRAIN_SELECT.name}
     for cluster, pid in strategy.forced.items():
         np.testing.assert_array_equal(flat(given[pid].models[0]), kept[cluster])  # updates the empty cluster's model
         assert strategy.assignment[pid] == cluster
         assert not np.array_equal(flat(strategy.models[cluster]), kept[cluster])
-    assert sorted(strategy.setup.recorder.rows[-1]["cluster_sizes"]) == [1, 1, 10]
-    assert strategy.setup.recorder.rows[-1]["forced_clients"] == {str(k): p for k, p in strategy.forced.items()}
+    assert sorted(strategy.observer.recorder.rows[-1]["cluster_sizes"]) == [1, 1, 10]
+    assert strategy.observer.recorder.rows[-1]["forced_clients"] == {str(k): p for k, p in strategy.forced.items()}
 
 
 def test_one_per_cluster_gives_every_cluster_a_member_every_round(tmp_path):
@@ -263,13 +264,13 @@ def test_one_per_cluster_gives_every_cluster_a_member_every_round(tmp_path):
     forced_over_rounds = []
     for rnd in range(1, 5):
         before = {k: flat(m).copy() for k, m in strategy.models.items()}
-        received = drive_round(strategy, manager, rnd, selecting_client(lambda pid, k: 0))
+        received = synthetic_round(strategy, manager, rnd, selecting_client(lambda pid, k: 0))
         assert sorted(strategy.forced) == [0, 1, 2] and len(set(strategy.forced.values())) == 3
         for cluster, pid in strategy.forced.items():
             assert len(received[pid].models) == 1
             np.testing.assert_array_equal(flat(received[pid].models[0]), before[cluster])
             assert not np.array_equal(flat(strategy.models[cluster]), before[cluster])  # every cluster moved
-        assert min(strategy.setup.recorder.rows[-1]["cluster_sizes"]) >= 1
+        assert min(strategy.observer.recorder.rows[-1]["cluster_sizes"]) >= 1
         forced_over_rounds.append(tuple(sorted(strategy.forced.values())))
     assert len(set(forced_over_rounds)) > 1  # random devices, not the same ones every round
 
@@ -287,14 +288,14 @@ def test_a_guard_that_cannot_fill_every_cluster_and_one_step_with_another_optimi
 def test_gradloss_sends_zero_directions_first_then_each_clusters_last_update(tmp_path):
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, lambda_=0.5)
     manager = client_manager(len(GROUPS))
-    received = drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
+    received = synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
     assert received[0].config[LAMBDA_KEY] == 0.5 and received[0].config[LOSS_REDUCTION_KEY] == "sum"
     assert all(not np.any(a) for item in received[0].blocks[DIRECTIONS] for a in item)
-    received = drive_round(strategy, manager, 2, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
+    received = synthetic_round(strategy, manager, 2, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
     directions = received[0].blocks[DIRECTIONS]
     assert any(np.any(a) for a in directions[0]) and not any(np.any(a) for a in directions[1])  # 1 never updated
     before = {k: flat(m).copy() for k, m in strategy.models.items()}
-    drive_round(strategy, manager, 3, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
+    synthetic_round(strategy, manager, 3, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
     for cluster in (0, 2):
         np.testing.assert_allclose(flat(strategy.directions[cluster]), flat(strategy.models[cluster]) - before[cluster],
                                    rtol=1e-5, atol=1e-6)
@@ -305,9 +306,9 @@ def test_a_cluster_nobody_updated_last_round_sends_a_zero_direction(tmp_path):
     a cluster idle in t-1 has Δw_k = 0 (so S_k = 0), not its older, stale update."""
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0)
     manager = client_manager(len(GROUPS))
-    drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # clusters 0 and 2 move
-    drive_round(strategy, manager, 2, selecting_client(lambda pid, k: 0))  # only cluster 0 moves
-    received = drive_round(strategy, manager, 3, selecting_client(lambda pid, k: 0))
+    synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # clusters 0 and 2 move
+    synthetic_round(strategy, manager, 2, selecting_client(lambda pid, k: 0))  # only cluster 0 moves
+    received = synthetic_round(strategy, manager, 3, selecting_client(lambda pid, k: 0))
     directions = received[0].blocks[DIRECTIONS]
     assert any(np.any(a) for a in directions[0])
     assert not any(np.any(a) for a in directions[2])  # updated in round 1, idle in round 2
@@ -316,17 +317,17 @@ def test_a_cluster_nobody_updated_last_round_sends_a_zero_direction(tmp_path):
 def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):
     strategy = strategy_of(GradLoss, tmp_path, rounds=2, client_fraction=1.0)
     manager = client_manager(len(GROUPS))
-    drive_round(strategy, manager, 1, selecting_client(lambda pid, k: 0))
+    synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0))
     before_round_2 = {k: [a.copy() for a in m] for k, m in strategy.models.items()}
-    drive_round(strategy, manager, 2, selecting_client(lambda pid, k: 1 if pid < 3 else 0))
-    row = strategy.setup.recorder.rows[-1]
+    synthetic_round(strategy, manager, 2, selecting_client(lambda pid, k: 1 if pid < 3 else 0))
+    row = strategy.observer.recorder.rows[-1]
     assert row["identity_changes"] == 3
     expected = np.mean([np.ptp([np.linalg.norm(flat(m) - TARGETS[GROUPS[p]]) for m in before_round_2.values()])
                         for p in range(12)])
     assert row["mean_loss_spread"] == pytest.approx(expected, rel=1e-5) and row["mean_similarity_spread"] == 0.0
     checkpoint = load_checkpoint(tmp_path)
     resumed = strategy_of(GradLoss, tmp_path / "other", rounds=2, client_fraction=1.0)
-    resume(resumed, checkpoint)
+    resume(resumed, connect_test_run(resumed), checkpoint)
     assert resumed.asked == set(range(12)) and sorted(resumed.directions) == [0, 1]
     np.testing.assert_array_equal(flat(resumed.directions[1]), flat(strategy.directions[1]))
 
@@ -335,11 +336,11 @@ def test_warmup_trains_one_model_then_spawns_k_distinct_ones(tmp_path):
     strategy = strategy_of(IFCA, tmp_path, warmup_rounds=2)
     manager = client_manager(len(GROUPS))
     for rnd in (1, 2):
-        received = drive_round(strategy, manager, rnd, selecting_client())
+        received = synthetic_round(strategy, manager, rnd, selecting_client())
         assert {client.task for client in received.values()} == {TRAIN.name} and strategy.phase(rnd) == "warmup"
     assert len(strategy.models) == 1
     warm = flat(strategy.models[0]).copy()
-    received = drive_round(strategy, manager, 3, selecting_client())  # spawned when the first round after the warm-up starts
+    received = synthetic_round(strategy, manager, 3, selecting_client())  # spawned when the first round after the warm-up starts
     assert {client.task for client in received.values()} == {TRAIN_SELECT.name, SELECT.name}
     sent = [flat(m) for m in next(iter(received.values())).models]
     assert len(sent) == 3 and not np.array_equal(sent[0], sent[1])

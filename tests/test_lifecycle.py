@@ -26,7 +26,7 @@ from helpers import rows_without_timing
 from fedcluster_flwr import runner
 from fedcluster_flwr.client_app import make_client_fn
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
-from fedcluster_flwr.inprocess import InProcessProxy, run_in_process
+from fedcluster_flwr.engines.inprocess import InProcessProxy, run_in_process
 from fedcluster_flwr.numerics import torch_threads
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.server_app import RunConfigError, server_fn
@@ -274,13 +274,13 @@ def test_a_supernode_beyond_the_experiment_reports_its_partition_and_the_server_
     from flwr.common import GetPropertiesIns
 
     from helpers import client_manager
-    from fedcluster_flwr.strategies import FederationError
-    from fedcluster_flwr.strategies.directory import ClientDirectory
+    from fedcluster_flwr.algorithms.base import FederationError
+    from fedcluster_flwr.algorithms.base.directory import ClientDirectory, Federation
 
     config, _ = load_config(DEFAULT_CONFIG)
     extra = make_client_fn(config)(Context({}, {"partition-id": 25, "num-partitions": 26}))
     assert extra.get_properties(GetPropertiesIns({})).properties == {"partition_id": 25, "num_partitions": 26}
-    directory = ClientDirectory(num_clients=20, join_round={}, wait_for_clients_s=0, timeout_s=None)
+    directory = ClientDirectory(num_clients=20, federation=Federation(wait_for_clients_s=0))
     with pytest.raises(FederationError, match="num-partitions=26, but partition.num_clients is 20"):
         directory.online_clients(1, client_manager(26, reported=26))
     assert sum("num-partitions=26" in r.getMessage() for r in caplog.records) == 1

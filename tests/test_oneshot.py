@@ -11,15 +11,15 @@ import torch
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import TaskInput
-from fedcluster_flwr.clustering import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
+from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
 from fedcluster_flwr.protocol import LAYOUT_KEY
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.aggregation import average_layers
-from fedcluster_flwr.strategies.oneshot_hfl import HFLOptions, OracleHFL
-from fedcluster_flwr.tasks.oneshot import (
+from fedcluster_flwr.algorithms.oneshot.strategy import HFLOptions, OracleHFL
+from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGENVALUES,
     EIGENVECTORS,
     EIGEN_FLOOR_KEY,
@@ -36,7 +36,7 @@ from fedcluster_flwr.tasks.oneshot import (
     relevance_to_every_client,
     top_gram_eigenpairs,
 )
-from helpers import Received, SyntheticClient, client_manager, constant_model, drive_round, make_setup, write_cifar
+from helpers import connect_test_run, Received, SyntheticClient, client_manager, constant_model, synthetic_round, make_setup, write_cifar
 
 # ---- relevance -------------------------------------------------------------------------------------
 
@@ -195,10 +195,10 @@ def test_the_relevance_task_takes_its_eigen_floor_from_the_instruction(label_gro
 
 def test_oneshot_sends_its_eigen_floor_with_the_relevance_instruction(tmp_path):
     strategy, manager = oneshot_strategy(tmp_path, eigen_floor=0.05), client_manager(6)
-    drive_round(strategy, manager, 1, one_shot_client())
+    synthetic_round(strategy, manager, 1, one_shot_client())
     instructions = strategy.clustering_instructions(2, list(range(6)))
     assert {ins.config[EIGEN_FLOOR_KEY] for ins in instructions} == {0.05}
-    from fedcluster_flwr.strategies.oneshot_hfl import OneShotOptions
+    from fedcluster_flwr.algorithms.oneshot.strategy import OneShotOptions
 
     assert OneShotOptions().eigen_floor == 1e-3  # the former constant stays the default
 
@@ -263,7 +263,7 @@ def test_gps_touches_only_the_shared_layers_and_weights_by_cluster_data_size(tmp
     def train(client: Received):
         return constant_model(10 * true[client.pid] + client.pid), setup.train_sizes[client.pid], {}
 
-    received = drive_round(strategy, client_manager(4), 1, train)
+    received = synthetic_round(strategy, client_manager(4), 1, train)
     assert {client.task for client in received.values()} == {"train"} and len(received) == 4
     # LPS FedAvg: cluster 0 = mean of 0, 1, 2 = 1.0; cluster 1 = client 3's 13.0.
     # GPS on "shared.w" weighted by data size 30 vs 30: (1 + 13) / 2 = 7; "own.b" stays per LPS.
@@ -290,14 +290,14 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     """conf/oneshot_cifar10_2tasks.yaml end to end (in process) on CIFAR-10 batches written in the
     official python format: one-shot rounds, then LeNet LPS models sharing their conv layers."""
     from conftest import ROOT
-    from fedcluster_flwr.inprocess import run_in_process
+    from fedcluster_flwr.engines.inprocess import run_in_process
 
     write_cifar(tmp_path / "data", per_batch=100)
     overrides = [f"dataset.data_dir={tmp_path / 'data'}", "partition.samples_per_client=20", "rounds=3",
                  "strategy.features=random_projection", "strategy.feature_dim=64", "strategy.pretrained_weights=null"]
     config, _ = load_config(ROOT / "conf" / "oneshot_cifar10_2tasks.yaml", [parse_override(o) for o in overrides])
     strategy = run_in_process(config, tmp_path / "run")
-    rows = strategy.setup.recorder.rows
+    rows = strategy.observer.recorder.rows
     assert [r["phase"] for r in rows] == ["gram_eigen", "relevance", "lps"]
     assert strategy.clustering.round == 2 and len(strategy.models) == 2
     conv = strategy.parameter_indices(["conv"], "strategy.shared_layers")
@@ -333,7 +333,7 @@ def test_the_cifar10_conf_takes_pretrained_features_and_says_where_the_missing_w
 
 
 def oneshot_strategy(tmp_path, num_clients=6, **options):
-    from fedcluster_flwr.strategies.oneshot_hfl import OneShotHFL, OneShotOptions
+    from fedcluster_flwr.algorithms.oneshot.strategy import OneShotHFL, OneShotOptions
 
     opts = dict(num_clusters=2, num_eigenvectors=2, features="identity") | options
     setup = make_setup(tmp_path, num_clients, true=np.arange(num_clients) % 2, rounds=6, checkpoint_every=1,
@@ -363,11 +363,11 @@ def one_shot_client(share_eigenvalues=None) -> SyntheticClient:
 
 def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer(tmp_path):
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
-    drive_round(strategy, manager, 1, one_shot_client(), fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
+    synthetic_round(strategy, manager, 1, one_shot_client(), fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
     assert strategy.summaries == {} and strategy.phase(1) == "gram_eigen"
-    drive_round(strategy, manager, 2, one_shot_client())
+    synthetic_round(strategy, manager, 2, one_shot_client())
     assert sorted(strategy.summaries) == list(range(6))
-    drive_round(strategy, manager, 3, one_shot_client())
+    synthetic_round(strategy, manager, 3, one_shot_client())
     assert strategy.clustered and strategy.clustering.round == 3
     assert strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
@@ -376,20 +376,20 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
 
 def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     from fedcluster_flwr.results import load_checkpoint
-    from fedcluster_flwr.strategies.round_log import resume
+    from fedcluster_flwr.round_log import resume
 
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
-    drive_round(strategy, manager, 1, one_shot_client())
+    synthetic_round(strategy, manager, 1, one_shot_client())
     resumed = oneshot_strategy(tmp_path / "other")
-    resume(resumed, load_checkpoint(tmp_path))
+    resume(resumed, connect_test_run(resumed), load_checkpoint(tmp_path))
     assert sorted(resumed.summaries) == list(range(6)) and not resumed.clustered
     for pid in range(6):
         for restored, original in zip(resumed.summaries[pid], strategy.summaries[pid], strict=True):
             np.testing.assert_array_equal(restored, original)
-    drive_round(resumed, manager, 1, one_shot_client())  # Flower's round 1 of the rest is round 2: relevance
+    synthetic_round(resumed, manager, 1, one_shot_client())  # Flower's round 1 of the rest is round 2: relevance
     assert resumed.clustered and resumed.clustering.round == 2
     again = oneshot_strategy(tmp_path / "third")
-    resume(again, load_checkpoint(tmp_path / "other"))
+    resume(again, connect_test_run(again), load_checkpoint(tmp_path / "other"))
     assert again.clustered and again.clustering is not None and len(again.clustering.linkage) == 5
     np.testing.assert_allclose(again.relevance, resumed.relevance)
 
@@ -400,7 +400,7 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
     runs = {rule: oneshot_strategy(tmp_path / rule, relevance=rule) for rule in ("paper", "amiri")}
     for strategy in runs.values():
         manager = client_manager(6)
-        drive_round(strategy, manager, 1, one_shot_client())
+        synthetic_round(strategy, manager, 1, one_shot_client())
         relevance_instruction = strategy.configure_fit(2, None, manager)[0][1]
         assert relevance_instruction.config[LAYOUT_KEY] == f"eigenvectors=6x{1 if strategy is runs['paper'] else 2}"
     rows = {rule: json.loads((tmp_path / rule / "rounds.jsonl").read_text().splitlines()[0]) for rule in runs}
@@ -411,7 +411,7 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
     assert runs["amiri"].summary()["eigen_summary_floats"] == 2 * 4 + 2
 
     strict = oneshot_strategy(tmp_path / "strict")
-    drive_round(strict, client_manager(6), 1, one_shot_client(share_eigenvalues=True))  # replies the paper's users never send
+    synthetic_round(strict, client_manager(6), 1, one_shot_client(share_eigenvalues=True))  # replies the paper's users never send
     assert strict.summaries == {}
     row = json.loads((tmp_path / "strict" / "rounds.jsonl").read_text().splitlines()[0])
     assert row["rejected_updates"] == 6
@@ -420,7 +420,7 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
 def test_both_relevance_rules_cluster_the_synthetic_clients(tmp_path):
     for rule in ("paper", "amiri"):
         strategy, manager = oneshot_strategy(tmp_path / rule, relevance=rule), client_manager(6)
-        drive_round(strategy, manager, 1, one_shot_client())
-        drive_round(strategy, manager, 2, one_shot_client())
+        synthetic_round(strategy, manager, 1, one_shot_client())
+        synthetic_round(strategy, manager, 2, one_shot_client())
         assert strategy.clustered and strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
         assert strategy.summary()["relevance_rule"] == rule

@@ -10,20 +10,15 @@ import pytest
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import TaskInput
-from fedcluster_flwr.clustering import (
-    closest_cluster,
-    cluster_square,
-    principal_angles,
-    proximity_matrix,
-    subspace_proximity,
-)
+from fedcluster_flwr.clustering import cluster_square
+from fedcluster_flwr.algorithms.pacfl.math import closest_cluster, principal_angles, proximity_matrix, subspace_proximity
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.schema import ConfigError
-from fedcluster_flwr.strategies.pacfl import PACFL, PACFLOptions
-from fedcluster_flwr.tasks.oneshot import (
+from fedcluster_flwr.algorithms.pacfl.strategy import PACFL, PACFLOptions
+from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGENVALUES,
     EIGENVECTORS,
     FEATURES_KEY,
@@ -35,7 +30,7 @@ from fedcluster_flwr.tasks.oneshot import (
     SHARE_EIGENVALUES_KEY,
     top_gram_eigenpairs,
 )
-from helpers import Received, client_manager, drive_round, make_setup
+from helpers import connect_test_run, Received, client_manager, synthetic_round, make_setup
 
 E = np.eye(4)
 
@@ -170,12 +165,12 @@ def synthetic_client(client: Received):
 
 def test_clusters_once_then_fedavg_per_cluster_without_a_gps_step(tmp_path):
     strategy, manager = pacfl_strategy(tmp_path), client_manager(6)
-    received = drive_round(strategy, manager, 1, synthetic_client)
+    received = synthetic_round(strategy, manager, 1, synthetic_client)
     assert {c.task for c in received.values()} == {"gram_eigen"} and len(received) == 6
     assert all(c.config[NUM_EIGENVECTORS_KEY] == 2 and not c.config[SHARE_EIGENVALUES_KEY] for c in received.values())
     assert strategy.clustered and strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
     assert strategy.proximity[0, 2] < 10 and strategy.proximity[0, 1] > 80  # degrees
-    received = drive_round(strategy, manager, 2, synthetic_client)
+    received = synthetic_round(strategy, manager, 2, synthetic_client)
     assert {c.task for c in received.values()} == {"train"}
     even = strategy.assignment[0]
     np.testing.assert_allclose(strategy.models[even][0], 10 + 2)  # the mean of clients 0, 2, 4 only: no GPS
@@ -190,30 +185,30 @@ def test_clusters_once_then_fedavg_per_cluster_without_a_gps_step(tmp_path):
 
 def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_path):
     strategy, manager = pacfl_strategy(tmp_path), client_manager(6)
-    drive_round(strategy, manager, 1, synthetic_client, fail={0, 1, 2, 3, 4})  # one subspace: fewer than 2
+    synthetic_round(strategy, manager, 1, synthetic_client, fail={0, 1, 2, 3, 4})  # one subspace: fewer than 2
     assert not strategy.clustered and strategy.phase(1) == "gram_eigen"
-    drive_round(strategy, manager, 2, synthetic_client, fail={5})
+    synthetic_round(strategy, manager, 2, synthetic_client, fail={5})
     assert strategy.clustered and strategy.clustering.pids == (0, 1, 2, 3, 4) and strategy.assignment[5] == -1
-    received = drive_round(strategy, manager, 3, synthetic_client)
+    received = synthetic_round(strategy, manager, 3, synthetic_client)
     assert received[5].task == "gram_eigen" and {received[p].task for p in range(5)} == {"train"}
     assert strategy.assignment[5] == strategy.assignment[1]  # odd: the subspace of clients 1 and 3
     assert strategy.placements == [{"round": 3, "client": 5, "cluster": int(strategy.assignment[1])}]
-    received = drive_round(strategy, manager, 4, synthetic_client)
+    received = synthetic_round(strategy, manager, 4, synthetic_client)
     assert received[5].task == "train"
 
 
 def test_an_interrupted_run_resumes_with_its_bases_and_places_newcomers_alike(tmp_path):
     from fedcluster_flwr.results import load_checkpoint
-    from fedcluster_flwr.strategies.round_log import resume
+    from fedcluster_flwr.round_log import resume
 
     strategy, manager = pacfl_strategy(tmp_path), client_manager(6)
-    drive_round(strategy, manager, 1, synthetic_client, fail={5})
+    synthetic_round(strategy, manager, 1, synthetic_client, fail={5})
     resumed = pacfl_strategy(tmp_path / "other")
-    resume(resumed, load_checkpoint(tmp_path))
+    resume(resumed, connect_test_run(resumed), load_checkpoint(tmp_path))
     assert resumed.clustered and sorted(resumed.bases) == [0, 1, 2, 3, 4]
     np.testing.assert_array_equal(resumed.proximity, strategy.proximity)
     for run in (strategy, resumed):
-        drive_round(run, manager, 2 if run is strategy else 1, synthetic_client)
+        synthetic_round(run, manager, 2 if run is strategy else 1, synthetic_client)
     assert resumed.assignment.tolist() == strategy.assignment.tolist() and resumed.placements == strategy.placements
     assert PACFL.options_fixed_by(resumed.state_dict())[:4] == ("features", "feature_dim", "pretrained_weights", "num_basis")
 
@@ -231,7 +226,7 @@ def test_pacfl_recovers_label_groups_of_real_digits_clients(label_group_config, 
         "partition.name=label_groups", "partition.groups=[[0,1,2,3,4],[5,6,7,8,9]]", "partition.samples_per_client=70",
         "strategy.name=pacfl", "strategy.client_fraction=1.0", "rounds=3", *overrides, cut)])
     strategy = run_in_process(config, tmp_path / "run")
-    rows = strategy.setup.recorder.rows
+    rows = strategy.observer.recorder.rows
     assert [r["phase"] for r in rows] == ["gram_eigen", "fedavg", "fedavg"]
     assert rows[0]["ari"] == 1.0 and rows[-1]["purity"] == 1.0 and len(strategy.models) == 2
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -119,12 +119,12 @@ def test_the_summary_says_in_words_when_the_target_was_never_reached(tmp_path):
 
 
 def test_compare_help_lists_the_strategies(capsys):
-    from fedcluster_flwr.strategies import STRATEGIES
+    from fedcluster_flwr.registry import strategies
 
     with pytest.raises(SystemExit):
         cli.main(["compare", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert all(name in help_text for name in STRATEGIES)
+    assert all(name in help_text for name in strategies())
 
 
 # ---- phase legend ------------------------------------------------------------------------------------
@@ -209,10 +209,10 @@ def test_pacfls_proximity_map_is_coloured_over_its_angles(drawn, tmp_path):
     """It was A / 90p on a fixed 0-1 scale: angles of a few degrees to ~90 of 180 all came out dark."""
     from test_pacfl import pacfl_strategy, synthetic_client
 
-    from helpers import client_manager, drive_round
+    from helpers import client_manager, synthetic_round
 
     strategy = pacfl_strategy(tmp_path)
-    drive_round(strategy, client_manager(6), 1, synthetic_client)
+    synthetic_round(strategy, client_manager(6), 1, synthetic_client)
     strategy.artifacts()["proximity.png"](tmp_path / "proximity_again.png")
     fig = drawn["proximity_again.png"]
     off_diagonal = strategy.proximity[~np.eye(6, dtype=bool)]

@@ -13,9 +13,9 @@ from fedcluster_flwr import protocol
 from fedcluster_flwr.models import parameters_with_prefixes
 from fedcluster_flwr.protocol import ACCURACY, EVALUATE, MODEL, MODELS, TRAIN, ModelSpec, ProtocolError, Sent
 from fedcluster_flwr.schema import ConfigError
-from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions
-from fedcluster_flwr.tasks.gossip import GOSSIP_TRAIN
-from fedcluster_flwr.tasks.oneshot import (
+from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
+from fedcluster_flwr.algorithms.dac.tasks import GOSSIP_TRAIN
+from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGENVALUES,
     EIGENVECTORS,
     FEATURE_DIM_KEY,
@@ -25,8 +25,8 @@ from fedcluster_flwr.tasks.oneshot import (
     RELEVANCE_ROW,
     SHARE_EIGENVALUES_KEY,
 )
-from fedcluster_flwr.tasks.selection import DIRECTIONS, SELECTED, TRAIN_SELECT
-from helpers import SHAPES, client_manager, constant_model, drive_round, make_setup, select_metrics
+from fedcluster_flwr.algorithms.base.selection import DIRECTIONS, SELECTED, TRAIN_SELECT
+from helpers import SHAPES, client_manager, constant_model, synthetic_round, make_setup, select_metrics
 
 SPEC = ModelSpec.of(["w", "b"], [np.zeros(s, np.float32) for s in SHAPES])
 ONES = constant_model(1.0)  # a valid model, for replies whose values do not matter
@@ -174,7 +174,7 @@ def test_a_reply_breaking_its_schema_is_rejected_with_the_reason_and_the_round_g
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, rounds=1))
     replies = [constant_model(1.0), constant_model(2.0)[:1], constant_model(3.0)]  # client 1 leaves out an array
     with caplog.at_level("WARNING"):
-        drive_round(strategy, client_manager(3), 1, lambda client: (replies[client.pid], 10, {}))
+        synthetic_round(strategy, client_manager(3), 1, lambda client: (replies[client.pid], 10, {}))
     np.testing.assert_allclose(strategy.models[0][0], 2.0)  # the mean of clients 0 and 2 only
     assert "reply of client 1 rejected: task train: expected arrays of shapes" in caplog.text
     row = json.loads((tmp_path / "rounds.jsonl").read_text())

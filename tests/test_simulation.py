@@ -12,7 +12,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.inprocess import run_in_process
+from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.numerics import is_portable
 from fedcluster_flwr.results import read_rounds
 
@@ -222,8 +222,8 @@ def test_the_in_process_driver_reproduces_the_ray_engine_bit_for_bit(tmp_path):
     in_process = run_in_process(config, tmp_path / "in_process")
     run_experiment(config, tmp_path / "ray")
     ray_rows = read_rounds(tmp_path / "ray")
-    assert len(ray_rows) == len(in_process.setup.recorder.rows) == config.rounds
-    for ours, theirs in zip(in_process.setup.recorder.rows, ray_rows, strict=True):
+    assert len(ray_rows) == len(in_process.observer.recorder.rows) == config.rounds
+    for ours, theirs in zip(in_process.observer.recorder.rows, ray_rows, strict=True):
         assert {k: ours[k] for k in KEYS} == {k: theirs[k] for k in KEYS}, ours["round"]
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["assignment"] == in_process.assignment.tolist()

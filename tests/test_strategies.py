@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 from flwr.server.client_manager import SimpleClientManager
 
-from fedcluster_flwr.results import RunRecorder, load_checkpoint
-from fedcluster_flwr.strategies.round_log import resume
-from fedcluster_flwr.strategies import FederationError
+from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.round_log import resume
+from fedcluster_flwr.algorithms.base import FederationError
 from fedcluster_flwr.protocol import ACCURACY, TASK_KEY, TRAIN_LOSS
 from fedcluster_flwr.aggregation import weighted_mean
-from fedcluster_flwr.strategies.core import UNASSIGNED
-from fedcluster_flwr.strategies.fedavg import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
-from fedcluster_flwr.strategies.flhc import FLHC, FLHCOptions
-from fedcluster_flwr.tasks.selection import SELECTED, TRAIN_SELECT
+from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED
+from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
+from fedcluster_flwr.algorithms.flhc.strategy import FLHC, FLHCOptions
+from fedcluster_flwr.algorithms.base.selection import SELECTED, TRAIN_SELECT
 from helpers import (
+    connect_test_run,
     DIM,
     SHAPES,
     FakeProxy,
@@ -27,7 +28,7 @@ from helpers import (
     SyntheticClient,
     client_manager,
     constant_model,
-    drive_round,
+    synthetic_round,
     evaluated_at_80_percent,
     fit_res,
     flat,
@@ -109,7 +110,7 @@ def test_fedavg_samples_a_fraction_and_averages_by_examples(tmp_path):
         trained[client.pid] = 10 + client.pid
         return constant_model(client.pid), 10 + client.pid, {}
 
-    received = drive_round(strategy, manager, 1, train)
+    received = synthetic_round(strategy, manager, 1, train)
     assert len(received) == 4 and all(client.task == "train" for client in received.values())
     expected = sum(pid * n for pid, n in trained.items()) / sum(trained.values())
     np.testing.assert_allclose(strategy.models[0][0], expected, rtol=1e-6)
@@ -118,7 +119,7 @@ def test_fedavg_samples_a_fraction_and_averages_by_examples(tmp_path):
 def test_each_round_records_who_trained_and_every_clients_accuracy(tmp_path):
     """rounds.jsonl's fit_clients and client_accuracy: what post-clustering analyses read."""
     strategy = FedAvg(FractionOptions(client_fraction=0.5), make_setup(tmp_path, 8))
-    received = drive_round(strategy, client_manager(8), 1, group_trainer(np.zeros(8, dtype=int)),
+    received = synthetic_round(strategy, client_manager(8), 1, group_trainer(np.zeros(8, dtype=int)),
                            evaluate=lambda pid, w: (0.5, {ACCURACY: pid / 10}))
     (row,) = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert row["fit_clients"] == sorted(received) and len(received) == 4
@@ -128,7 +129,7 @@ def test_each_round_records_who_trained_and_every_clients_accuracy(tmp_path):
 def test_sampling_is_seeded(tmp_path):
     def picks(seed, folder):
         setup = replace(make_setup(tmp_path / folder, 20), seed=seed)
-        return sorted(drive_round(FedAvg(FractionOptions(0.25), setup), client_manager(20), 1, group_trainer(np.zeros(20, int))))
+        return sorted(synthetic_round(FedAvg(FractionOptions(0.25), setup), client_manager(20), 1, group_trainer(np.zeros(20, int))))
 
     first, again, other = picks(0, "a"), picks(0, "b"), picks(1, "c")
     assert first == again and len(first) == 5
@@ -147,7 +148,7 @@ def test_each_client_gets_its_own_fit_instruction(tmp_path):
 def test_failed_and_corrupt_updates_never_reach_the_model(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
     manager = client_manager(4)
-    drive_round(strategy, manager, 1, lambda client: (constant_model(1.0), 5, {}), fail={0}, corrupt={1})
+    synthetic_round(strategy, manager, 1, lambda client: (constant_model(1.0), 5, {}), fail={0}, corrupt={1})
     assert all(np.isfinite(a).all() for a in strategy.models[0])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)
     row = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[0])
@@ -156,7 +157,7 @@ def test_failed_and_corrupt_updates_never_reach_the_model(tmp_path):
 
 def test_wrong_shapes_are_rejected(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2))
-    drive_round(strategy, client_manager(2), 1, lambda client: ([np.ones((2, 2), np.float32)], 5, {}))
+    synthetic_round(strategy, client_manager(2), 1, lambda client: ([np.ones((2, 2), np.float32)], 5, {}))
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
     assert json.loads((tmp_path / "rounds.jsonl").read_text())["rejected_updates"] == 2
 
@@ -164,15 +165,15 @@ def test_wrong_shapes_are_rejected(tmp_path):
 def test_all_failures_keep_the_previous_model_and_the_run_goes_on(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, rounds=2))
     manager = client_manager(3)
-    drive_round(strategy, manager, 1, group_trainer(np.zeros(3, int)), fail={0, 1, 2})
+    synthetic_round(strategy, manager, 1, group_trainer(np.zeros(3, int)), fail={0, 1, 2})
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
-    drive_round(strategy, manager, 2, group_trainer(np.zeros(3, int)))
+    synthetic_round(strategy, manager, 2, group_trainer(np.zeros(3, int)))
     assert json.loads((tmp_path / "summary.json").read_text())["finished"] is True
 
 
 def test_local_clients_never_share_models(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 3))
-    drive_round(strategy, client_manager(3), 1, lambda client: (constant_model(client.pid), 5, {}))
+    synthetic_round(strategy, client_manager(3), 1, lambda client: (constant_model(client.pid), 5, {}))
     for pid in range(3):
         np.testing.assert_allclose(strategy.client_models[pid][0], pid)
 
@@ -180,7 +181,7 @@ def test_local_clients_never_share_models(tmp_path):
 def test_oracle_averages_only_inside_true_clusters(tmp_path):
     true = np.array([0, 0, 1, 1])
     strategy = OracleClusters(FractionOptions(1.0), make_setup(tmp_path, 4, true=true))
-    received = drive_round(strategy, client_manager(4), 1, lambda client: (constant_model(10 * true[client.pid]), 5, {}))
+    received = synthetic_round(strategy, client_manager(4), 1, lambda client: (constant_model(10 * true[client.pid]), 5, {}))
     assert set(received) == {0, 1, 2, 3}
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
     np.testing.assert_allclose(strategy.models[1][0], 10.0)
@@ -196,8 +197,8 @@ def test_late_joiner_is_offline_until_its_round(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, join_round={2: 3}))
     manager = client_manager(3)
     trainer = group_trainer(np.zeros(3, int))
-    assert set(drive_round(strategy, manager, 1, trainer)) == {0, 1}
-    assert set(drive_round(strategy, manager, 3, trainer)) == {0, 1, 2}
+    assert set(synthetic_round(strategy, manager, 1, trainer)) == {0, 1}
+    assert set(synthetic_round(strategy, manager, 3, trainer)) == {0, 1, 2}
 
 
 # ---- FL+HC --------------------------------------------------------------------------
@@ -214,11 +215,11 @@ def flhc(tmp_path, rounds=8, **options) -> FLHC:
 def test_flhc_runs_fedavg_then_clusters_all_updates_then_trains_clusters(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):  # FedAvg with cf: 3 of 12 clients, all on the joint model
-        received = drive_round(strategy, manager, rnd, train)
+        received = synthetic_round(strategy, manager, rnd, train)
         assert len(received) == 3 and strategy.phase(rnd) == "fedavg"
     joint = [a.copy() for a in strategy.models[0]]
 
-    received = drive_round(strategy, manager, 3, train)  # the clustering round
+    received = synthetic_round(strategy, manager, 3, train)  # the clustering round
     assert strategy.phase(3) == "clustering"
     assert set(received) == set(range(len(GROUPS)))  # every client takes part
     for client in received.values():
@@ -229,7 +230,7 @@ def test_flhc_runs_fedavg_then_clusters_all_updates_then_trains_clusters(tmp_pat
     assert (tmp_path / "linkage.npy").is_file() and (tmp_path / "dendrogram.png").is_file()
 
     before = {c: flat(m).copy() for c, m in strategy.models.items()}
-    received = drive_round(strategy, manager, 4, train)  # independent FedAvg per cluster, cf of members
+    received = synthetic_round(strategy, manager, 4, train)  # independent FedAvg per cluster, cf of members
     assert len(received) == 3  # max(1, int(0.25 * 4)) per cluster
     for pid, client in received.items():
         np.testing.assert_array_equal(flat(client.models[0]), before[strategy.assignment[pid]])
@@ -240,10 +241,10 @@ def test_flhc_runs_fedavg_then_clusters_all_updates_then_trains_clusters(tmp_pat
 def test_flhc_cluster_models_start_from_the_joint_model_and_average_members(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2):
-        drive_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, rnd, train)
     joint_before_clustering = flat(strategy.models[0]).copy()
     train.forget()
-    drive_round(strategy, manager, 3, train)
+    synthetic_round(strategy, manager, 3, train)
     np.testing.assert_array_equal(flat(strategy.joint_model), joint_before_clustering)
     for cluster, model in strategy.models.items():
         members = [p for p in train.models if strategy.assignment[p] == cluster]
@@ -258,10 +259,10 @@ def test_after_clustering_only_the_sampled_members_shape_a_cluster_model(tmp_pat
     they taught it (benchmarks/flhc/post_clustering.py measures this on pathological MNIST)."""
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2, 3):
-        drive_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, rnd, train)
     train.forget()
     evaluated = EvaluatedModels()
-    drive_round(strategy, manager, 4, train, evaluate=evaluated)
+    synthetic_round(strategy, manager, 4, train, evaluate=evaluated)
     for cluster, model in strategy.models.items():
         members = [p for p in range(len(GROUPS)) if strategy.assignment[p] == cluster]
         (trained,) = [p for p in members if p in train.models]  # max(1, floor(0.25 * 4)) = 1
@@ -275,7 +276,7 @@ def test_flhc_threshold_cut_on_update_distances(tmp_path):
     strategy = flhc(tmp_path, num_clusters=None, threshold=4.0)
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        drive_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, rnd, train)
     assert strategy.clustering.num_clusters == 3
     merges = strategy.clustering.linkage[:, 2]
     assert merges[-3] < 4.0 < merges[-2]
@@ -285,7 +286,7 @@ def test_flhc_without_a_cut_cuts_at_the_largest_silhouette_and_says_so(tmp_path)
     strategy = flhc(tmp_path, num_clusters=None, threshold=None)
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        drive_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, rnd, train)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["clusters_found"], summary["purity"], summary["cut"]) == (3, 1.0, "largest silhouette")
 
@@ -294,15 +295,15 @@ def test_client_absent_from_clustering_joins_the_cluster_with_lowest_training_lo
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     absent = 5  # true group 1
     for rnd in (1, 2):
-        drive_round(strategy, manager, rnd, train, fail={absent})
+        synthetic_round(strategy, manager, rnd, train, fail={absent})
     evaluated = EvaluatedModels()
-    drive_round(strategy, manager, 3, train, fail={absent}, evaluate=evaluated)
+    synthetic_round(strategy, manager, 3, train, fail={absent}, evaluate=evaluated)
     assert strategy.assignment[absent] == UNASSIGNED
     np.testing.assert_array_equal(evaluated[absent], flat(strategy.joint_model))  # evaluated on the joint model
     row = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[2])
     assert "unassigned" in row["per_cluster_accuracy"] and row["unassigned_clients"] == 1
 
-    received = drive_round(strategy, manager, 4, train)
+    received = synthetic_round(strategy, manager, 4, train)
     assert received[absent].task == "train_select" and len(received[absent].models) == 3  # every cluster model
     peers = [p for p in range(len(GROUPS)) if GROUPS[p] == GROUPS[absent] and p != absent]
     assert strategy.assignment[absent] == strategy.assignment[peers[0]]
@@ -317,9 +318,9 @@ def test_client_joining_after_clustering_is_placed_by_training_loss(tmp_path):
     )
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        received = drive_round(strategy, manager, rnd, train)
+        received = synthetic_round(strategy, manager, rnd, train)
         assert newcomer not in received
-    received = drive_round(strategy, manager, 4, train)
+    received = synthetic_round(strategy, manager, 4, train)
     assert received[newcomer].task == "train_select"
     assert strategy.assignment[newcomer] == strategy.assignment[11]
 
@@ -328,25 +329,25 @@ def test_train_select_without_a_valid_choice_is_rejected(tmp_path):
     strategy, manager = flhc(tmp_path), client_manager(len(GROUPS))
     train = group_trainer(GROUPS)
     for rnd in (1, 2):
-        drive_round(strategy, manager, rnd, train)
-    drive_round(strategy, manager, 3, train, fail={0})
+        synthetic_round(strategy, manager, rnd, train)
+    synthetic_round(strategy, manager, 3, train, fail={0})
 
     def no_choice(client: Received):
         weights, n, metrics = train(client)
         metrics.pop(SELECTED, None)
         return weights, n, metrics
 
-    drive_round(strategy, manager, 4, no_choice)
+    synthetic_round(strategy, manager, 4, no_choice)
     assert strategy.assignment[0] == UNASSIGNED
 
 
 def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
-        drive_round(strategy, manager, rnd, train)
-    drive_round(strategy, manager, 3, train, fail=set(range(len(GROUPS))))
+        synthetic_round(strategy, manager, rnd, train)
+    synthetic_round(strategy, manager, 3, train, fail=set(range(len(GROUPS))))
     assert not strategy.clustered and strategy.phase(3) == "clustering"
-    received = drive_round(strategy, manager, 4, train)
+    received = synthetic_round(strategy, manager, 4, train)
     assert len(received) == len(GROUPS) and strategy.clustering.round == 4
     assert strategy.phase(4) == "clustering" and strategy.phase(5) == "clustered"
     assert json.loads((tmp_path / "summary.json").read_text())["clustering_round"] == 4
@@ -355,7 +356,7 @@ def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
 def test_results_contract_files(tmp_path):
     strategy, manager, train = flhc(tmp_path, rounds=5), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in range(1, 6):
-        drive_round(strategy, manager, rnd, train, evaluate=lambda pid, w: (0.5, {ACCURACY: 0.4 + 0.1 * (pid % 3)}))
+        synthetic_round(strategy, manager, rnd, train, evaluate=lambda pid, w: (0.5, {ACCURACY: 0.4 + 0.1 * (pid % 3)}))
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["phase"] for r in rows] == ["fedavg", "fedavg", "clustering", "clustered", "clustered"]
@@ -405,10 +406,10 @@ def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
         strategy, manager = flhc(tmp_path / str(order_seed), linkage="single"), client_manager(len(GROUPS))
         train = group_trainer(GROUPS)
         for rnd in (1, 2):
-            drive_round(strategy, manager, rnd, train)
-        drive_round(strategy, manager, 3, train, shuffle=np.random.default_rng(order_seed))  # the clustering round
+            synthetic_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, 3, train, shuffle=np.random.default_rng(order_seed))  # the clustering round
         outcomes.append((strategy.assignment.tolist(), strategy.clustering.linkage.tolist(),
-                         sorted(drive_round(strategy, manager, 4, train))))
+                         sorted(synthetic_round(strategy, manager, 4, train))))
     assert outcomes[0] == outcomes[1]
 
 
@@ -433,13 +434,13 @@ def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply
     results = [(instructions[0][0], fit_res(good)), (instructions[1][0], reply(good))]
     strategy.aggregate_fit(1, results, [])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)  # only the good update counted
-    assert strategy.log.round.rejected_updates == 1
+    assert strategy.round.rejected_updates == 1
 
 
 def test_bad_metrics_never_become_results(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4, rounds=1))
     accuracies = [0.5, "high", 1e6, float("nan")]
-    drive_round(strategy, client_manager(4), 1, lambda client: (constant_model(1.0), 10, {TRAIN_LOSS: "x"}),
+    synthetic_round(strategy, client_manager(4), 1, lambda client: (constant_model(1.0), 10, {TRAIN_LOSS: "x"}),
                 evaluate=lambda pid, w: (0.1, {ACCURACY: accuracies[pid]}))
     row = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[0])
     assert row["mean_client_accuracy"] == 0.5 and row["eval_failures"] == 3
@@ -480,10 +481,10 @@ def test_no_answering_client_stops_the_run_with_the_reason(tmp_path):
 def test_clustering_waits_for_a_quorum_of_updates(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
-        drive_round(strategy, manager, rnd, train)
-    drive_round(strategy, manager, 3, train, fail=set(range(9)))  # 3 of 12 < 0.5 quorum
+        synthetic_round(strategy, manager, rnd, train)
+    synthetic_round(strategy, manager, 3, train, fail=set(range(9)))  # 3 of 12 < 0.5 quorum
     assert not strategy.clustered
-    drive_round(strategy, manager, 4, train)
+    synthetic_round(strategy, manager, 4, train)
     assert strategy.clustering.round == 4 and strategy.clustering.num_clusters == 3
 
 
@@ -497,7 +498,7 @@ def test_round_means_do_not_depend_on_reply_order(tmp_path):
     means = []
     for order_seed in (1, 2, 3):
         strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path / str(order_seed), 10))
-        drive_round(strategy, client_manager(10), 1, lambda client: (constant_model(1.0), 10, {}),
+        synthetic_round(strategy, client_manager(10), 1, lambda client: (constant_model(1.0), 10, {}),
                     evaluate=lambda pid, w: (accuracies[pid] / 3, {ACCURACY: accuracies[pid]}),
                     shuffle=np.random.default_rng(order_seed))
         row = json.loads((tmp_path / str(order_seed) / "rounds.jsonl").read_text())
@@ -516,20 +517,19 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     train = group_trainer(GROUPS, noise_per_client_and_round=True)
     whole = strategy_in(tmp_path / "whole", join_round={7: 5})
     for rnd in range(1, 7):
-        drive_round(whole, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
+        synthetic_round(whole, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
 
     first = strategy_in(tmp_path / "resumed", join_round={7: 5})
     for rnd in range(1, 4):
-        drive_round(first, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
+        synthetic_round(first, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
     checkpoint = load_checkpoint(tmp_path / "resumed")
     assert checkpoint["round"] == 3 and checkpoint["strategy"]["joint_model"] is not None
 
-    recorder = RunRecorder(tmp_path / "resumed")
-    setup = make_setup(tmp_path / "other", len(GROUPS), true=GROUPS, rounds=6, checkpoint_every=3, join_round={7: 5})
-    resumed = FLHC(first.options, replace(setup, recorder=recorder))
-    resume(resumed, checkpoint)
+    setup = make_setup(tmp_path / "resumed", len(GROUPS), true=GROUPS, rounds=6, checkpoint_every=3, join_round={7: 5})
+    resumed = FLHC(first.options, setup)
+    resume(resumed, connect_test_run(resumed, resuming=True), checkpoint)
     for flower_round in (1, 2, 3):  # Flower counts the remaining rounds from 1 again
-        drive_round(resumed, client_manager(len(GROUPS)), flower_round, train)
+        synthetic_round(resumed, client_manager(len(GROUPS)), flower_round, train)
 
     assert resumed.assignment.tolist() == whole.assignment.tolist()
     for cluster in whole.models:
@@ -548,7 +548,7 @@ def test_flhc_clusters_projected_updates(tmp_path):
     strategy = flhc(tmp_path, projection_dim=8, save_updates=True)
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        drive_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, rnd, train)
     saved = np.load(tmp_path / "updates.npy")
     assert saved.shape == (len(GROUPS), 8)  # rows in clustered_clients order
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -559,9 +559,9 @@ def test_saved_updates_are_the_clients_deltas(tmp_path):
     strategy = flhc(tmp_path, save_updates=True)
     manager, train = client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2):
-        drive_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, rnd, train)
     joint = flat(strategy.models[0]).copy()
-    drive_round(strategy, manager, 3, train)
+    synthetic_round(strategy, manager, 3, train)
     saved = np.load(tmp_path / "updates.npy")
     for row, pid in enumerate(strategy.clustering.pids):
         np.testing.assert_allclose(saved[row], train.models[pid] - joint, rtol=1e-6, atol=1e-6)
@@ -576,13 +576,13 @@ def test_dendrogram_draws_the_threshold(tmp_path, monkeypatch):
     strategy = flhc(tmp_path, num_clusters=None, threshold=4.0)
     manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
-        drive_round(strategy, manager, rnd, train)
+        synthetic_round(strategy, manager, rnd, train)
     assert 4.0 in drawn and (tmp_path / "dendrogram.png").stat().st_size > 0
 
 
 def test_a_float64_reply_is_stored_in_the_models_dtype(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 2))
-    drive_round(strategy, client_manager(2), 1, lambda client: (constant_model(0.1, np.float64), 10, {}))
+    synthetic_round(strategy, client_manager(2), 1, lambda client: (constant_model(0.1, np.float64), 10, {}))
     assert all(a.dtype == np.float32 for a in strategy.client_models[0])
     np.testing.assert_allclose(strategy.client_models[0][0], 0.1, rtol=1e-6)
 
@@ -590,15 +590,15 @@ def test_a_float64_reply_is_stored_in_the_models_dtype(tmp_path):
 def test_local_trains_every_client_every_round(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 5))
     for rnd in (1, 2):
-        assert sorted(drive_round(strategy, client_manager(5), rnd, group_trainer(np.zeros(5, int)))) == [0, 1, 2, 3, 4]
+        assert sorted(synthetic_round(strategy, client_manager(5), rnd, group_trainer(np.zeros(5, int)))) == [0, 1, 2, 3, 4]
 
 
 def test_a_torn_checkpoint_is_detected(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2, rounds=2, checkpoint_every=1))
     manager = client_manager(2)
-    drive_round(strategy, manager, 1, group_trainer(np.zeros(2, int)))
+    synthetic_round(strategy, manager, 1, group_trainer(np.zeros(2, int)))
     state_after_round_1 = (tmp_path / "checkpoint" / "state.json").read_text()
-    drive_round(strategy, manager, 2, group_trainer(np.zeros(2, int)))
+    synthetic_round(strategy, manager, 2, group_trainer(np.zeros(2, int)))
     (tmp_path / "checkpoint" / "state.json").write_text(state_after_round_1)  # as if stopped mid-write
     with pytest.raises(ValueError, match="torn"):
         load_checkpoint(tmp_path)

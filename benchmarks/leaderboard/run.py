@@ -50,7 +50,7 @@ import numpy as np
 
 from fedcluster_flwr.config import build_config
 from fedcluster_flwr.results import read_rounds
-from fedcluster_flwr.strategies import STRATEGIES
+from fedcluster_flwr.registry import strategies
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import ENGINES, finished_summary, mean_std, run_or_reuse  # noqa: E402
@@ -273,7 +273,7 @@ def main() -> None:
         verify(out, args.scale, args.verify, extra)
         return
     methods = names(args.methods, METHODS, "--methods")
-    if missing := [m for m in methods if METHODS[m]["name"] not in STRATEGIES]:
+    if missing := [m for m in methods if METHODS[m]["name"] not in strategies()]:
         raise SystemExit(f"error: --methods: {', '.join(missing)} not registered in this version")
     shifts = names(args.shifts, SHIFTS, "--shifts")
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from fedcluster_flwr.client import TaskInput
-from fedcluster_flwr.clustering import cluster_by_relevance, relevance_matrix, within_and_across
+from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, within_and_across
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.experiment import experiment_data, make_client
-from fedcluster_flwr.strategies.oneshot_hfl import feature_config
-from fedcluster_flwr.tasks.oneshot import (
+from fedcluster_flwr.algorithms.oneshot.strategy import feature_config
+from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGEN_FLOOR_KEY, EIGENVALUES, EIGENVECTORS, NUM_EIGENVECTORS_KEY, RELEVANCE, relevance_to_every_client,
     top_gram_eigenpairs,
 )
@@ -57,7 +57,7 @@ def relevance_for(seed: int, k: int, floors: list[float]) -> tuple[dict[float, n
 
 def verify(seed: int, k: int, floor: float, expected: np.ndarray) -> float:
     """Largest |R_run − R_here| of an in-process run of the conf (2 one-shot rounds + 1 training)."""
-    from fedcluster_flwr.inprocess import run_in_process
+    from fedcluster_flwr.engines.inprocess import run_in_process
 
     config, _ = load_config(CONF, [("seed", seed), ("rounds", 3), ("strategy.num_eigenvectors", k),
                                    ("strategy.eigen_floor", floor)])

@@ -16,8 +16,8 @@ every round every client tests the global model on its own test split), timed fi
   global model), reported on its own as ``eval``.
 * b -- our ``fedavg`` strategy on Flower's Ray engine, as ``fedcluster run`` runs it.
 * c -- Flower's own ``flwr.server.strategy.FedAvg`` with our ClientApp, through the same engine
-  (:func:`fedcluster_flwr.engine.simulate` with the ServerApp swapped).
-* d -- our in-process driver (:mod:`fedcluster_flwr.inprocess`: one process, one torch thread).
+  (:func:`fedcluster_flwr.engines.simulation.simulate` with the ServerApp swapped).
+* d -- our in-process driver (:mod:`fedcluster_flwr.engines.inprocess`: one process, one torch thread).
 
 Every variant runs in fresh processes. b, c and d run ``--rounds`` rounds; a round's time is the
 wall time between the ends of consecutive rounds (so the first round, which carries Ray's and the
@@ -203,7 +203,7 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def inprocess_worker(args: argparse.Namespace) -> dict[str, Any]:
     """d: the in-process driver (one torch thread, as it runs)."""
-    from fedcluster_flwr.inprocess import run_in_process
+    from fedcluster_flwr.engines.inprocess import run_in_process
 
     config = bench_config(args.set, args.rounds)
     stamps = _Stamps()

@@ -27,12 +27,12 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from flwr.common import Scalar
+from ...types import Scalar
 
-from ..client import ClusterClient, TaskInput, TaskOutput, handles
-from ..clustering import relevance_row
-from ..features import feature_map, gram_matrix, top_eigenpairs
-from ..protocol import ArraySpec, ModelSpec, ProtocolError, Sent, Task
+from ...client import ClusterClient, TaskInput, TaskOutput, handles
+from .math import relevance_row
+from ...features import feature_map, gram_matrix, top_eigenpairs
+from ...protocol import ArraySpec, ModelSpec, ProtocolError, Sent, Task
 
 # Instruction config.
 NUM_EIGENVECTORS_KEY = "num_eigenvectors"

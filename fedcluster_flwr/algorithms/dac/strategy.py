@@ -33,9 +33,9 @@ each participating client i (``client_fraction`` of the online, pretrained clien
      Estimates of estimates travel further than two hops. Clients update in partition-id order
      within a round (the reference: in a random order), each seeing the tables updated before it.
 
-``dac_var`` grows τ with the exchanges (``tau_schedule``; see :func:`reference_tau` and
-:func:`centred_tau`); ``random_gossip`` samples neighbours uniformly; ``oracle_gossip`` only from
-the client's true cluster; ``pens`` selects its neighbours by loss first (see :class:`PENS`).
+``dac_var`` grows τ with the exchanges (``tau_schedule``; see :func:`.math.reference_tau` and
+:func:`.math.centred_tau`); ``random_gossip`` samples neighbours uniformly; ``oracle_gossip`` only from
+the client's true cluster; ``pens`` selects its neighbours by loss first (see :class:`.pens.PENS`).
 ``local`` (no communication) is the existing strategy.
 
 Personal models start from different initialisations (the paper's setting) or, with
@@ -47,25 +47,26 @@ i sampled j, clients ordered by true cluster.
 
 from __future__ import annotations
 
-import math
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from flwr.common import NDArrays
+from ...types import NDArrays
 
-from .. import protocol
-from ..aggregation import lowest
-from ..clustering import cluster_square
-from ..protocol import MODELS, TRAIN
-from ..tasks import gossip
-from ..tasks.gossip import GOSSIP_TRAIN
-from ..results import plot_client_matrix
-from ..schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
-from .core import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import SHARE_OF_CLIENTS
+from ... import protocol
+from ...clustering import cluster_square
+from ...protocol import MODELS, TRAIN
+from . import tasks as gossip
+from .tasks import GOSSIP_TRAIN
+from ...results import plot_client_matrix
+from ...schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
+from ..base.model_selection import ValidatedSelection
+from ..base.strategy import Artifacts, Instruction, Reply, StrategySetup
+from ..base.options import SHARE_OF_CLIENTS
+from ...registry import register
+from .math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
@@ -129,60 +130,12 @@ class PENSOptions(GossipOptions):
                 f"must be in 1..{drawn_key} ({drawn}): of the peers drawn, the ones kept; got {self.num_kept}")
 
 
-def reference_tau(t: float, tau: float) -> float:
-    """DAC-var's τ after exchange t (t = 0 the first), as the reference code's
-    ``tau_function(t, a=τ, b=0.2)`` = 2a / (1 + e^(−0.2 t)) − a + 1 = a · tanh(0.1 t) + 1:
-    1 at t = 0, ≈ 0.8 a + 1 at t = 10, ≈ a + 1 for t ≳ 30."""
-    return tau * math.tanh(0.1 * t) + 1.0
-
-
-def centred_tau(server_round: int, tau_max: float, rounds: int) -> float:
-    """The earlier, centred schedule: τ = τ_max · σ((t − T/2) / (T/10)) with t the server round and
-    T = ``rounds``: ≈ 0.7 % of τ_max at t = 0, its half at T/2 (≈ 0.5 at round 10 of 100)."""
-    return tau_max / (1.0 + math.exp(-(server_round - rounds / 2) / max(rounds / 10, 1e-9)))
-
-
-def two_hop_similarities(similarity: np.ndarray, met: np.ndarray) -> np.ndarray:
-    """The paper's two-hop estimate: ``similarity`` with each unknown entry (i, k) filled from i's
-    most similar met neighbour j that has met k: s_ik = s_jk. Measured entries are kept; entries
-    with no such j stay NaN."""
-    filled = similarity.copy()
-    for i in range(len(similarity)):
-        known = np.flatnonzero(met[i])
-        if not len(known):
-            continue
-        by_similarity = known[np.argsort(-similarity[i, known], kind="stable")]
-        for k in np.flatnonzero(~met[i]):
-            if k == i:
-                continue
-            lender = next((j for j in by_similarity if met[j, k] and j != k), None)
-            if lender is not None:
-                filled[i, k] = similarity[lender, k]
-    return filled
-
-
-def reference_two_hop_update(table: np.ndarray, met: np.ndarray, i: int, neighbours: Sequence[int]) -> None:
-    """The reference code's two-hop step for client i after an exchange with ``neighbours``, in
-    place on the similarity ``table`` (measured and estimated entries; NaN unknown): every k that
-    i has never sampled and that some neighbour's row knows takes that neighbour's entry, from the
-    neighbour i finds most similar (ties: the first drawn)."""
-    neighbours = np.asarray(neighbours, dtype=np.int64)
-    if not len(neighbours):
-        return
-    known = ~np.isnan(table[neighbours])  # neighbours x clients
-    for k in np.flatnonzero(known.any(axis=0) & ~met[i]):
-        if k == i:
-            continue
-        holders = neighbours[known[:, k]]
-        lender = holders[int(np.argmax(table[i, holders]))]
-        table[i, k] = table[lender, k]
-
-
-class Gossip(ClusteredStrategy):
+class Gossip(ValidatedSelection):
     """Personal models exchanged between sampled neighbours through the relay; see the module docstring."""
 
     name = "gossip"
     Options = GossipOptions
+    round_word = "gossip exchanges"
 
     def __init__(self, options: GossipOptions, setup: StrategySetup) -> None:
         super().__init__(options, setup)
@@ -307,7 +260,7 @@ class Gossip(ClusteredStrategy):
     # ---- records -----------------------------------------------------------------------------------
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:
-        return {"pairs_met": int(self.met.sum()), "exchanges": self.exchanges}
+        return super().round_metrics(server_round) | {"pairs_met": int(self.met.sum()), "exchanges": self.exchanges}
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {
@@ -352,12 +305,14 @@ class Gossip(ClusteredStrategy):
         return self.setup.init_weights(int(np.random.SeedSequence([self.setup.seed, pid, 7]).generate_state(1)[0]))
 
 
+@register
 class RandomGossip(Gossip):
     """Neighbours sampled uniformly (the paper's random baseline)."""
 
     name = "random_gossip"
 
 
+@register
 class OracleGossip(Gossip):
     """Neighbours sampled uniformly from the client's true cluster only."""
 
@@ -368,6 +323,7 @@ class OracleGossip(Gossip):
         return np.where(true[candidates] == true[pid], 0.0, -np.inf)
 
 
+@register
 class DAC(Gossip):
     """Neighbours sampled by softmax(τ · s_i) of the relay's similarities (with two-hop estimates)."""
 
@@ -420,6 +376,7 @@ class DAC(Gossip):
         super().load_state_dict(state)
 
 
+@register
 class DACVar(DAC):
     """DAC with τ grown over the exchanges (``tau_schedule``)."""
 
@@ -437,104 +394,3 @@ class DACVar(DAC):
         if self.options.tau_schedule == "centred":
             return centred_tau(server_round, self.options.tau_max, self.setup.rounds)
         return reference_tau(max(self.exchanges - 1, 0), self.options.tau_max)
-
-
-class PENS(Gossip):
-    """PENS (Onoszko et al., 2021): performance-based neighbour selection, then gossip.
-
-    * Selection (the first ``selection_rounds`` exchange rounds): each participating client draws
-      n = ``num_neighbours`` peers uniformly, measures their models' loss on its training data and
-      merges only the m = ``num_kept`` of lowest loss with its own (``merge_lowest``); the relay
-      counts how often i kept j.
-    * Then i gossips only with the peers it kept more often than expected by chance: more than
-      (m / N) · ``selection_rounds`` times, N the number of clients (the reference code's
-      ``train_pens`` + ``gossip``). Each round it draws min(n, its kept set) of them uniformly
-      and merges them all.
-
-    **Which PENS this is**: the PENS *baseline of the DAC paper*, as the DAC reference code runs it
-    (github.com/edvinli/DAC utils.py ``train_pens``, then main_fed.py's kept-set threshold
-    ``(top_m / num_clients) · n_rounds_pens`` and ``gossip``). Choices taken from it: the same n in
-    both phases (unless ``selection_candidates``); the threshold counts N with every client (online
-    or not) and the nominal number of selection rounds, also for a client that missed some; a
-    client whose kept set is empty (e.g. one that joined after the selection) trains alone, as the
-    reference's ``gossip`` does with no neighbours. n = 5 (the DAC paper's five per round), m = 2
-    and 10 selection rounds (options.py ``--top_m 2``, ``--n_rounds_pens 10`` at its commit bbe3c08).
-
-    How Onoszko et al.'s own code (github.com/guskarls/dfl-pens: train_utils.py
-    ``clients_to_communicate_with``, ``performance_based`` + ``greedy``; train_functions.py
-    ``train_edu``) differs:
-
-    * n: it scores ``n_clients_to_consider`` = 20 random peers per selection round and keeps the
-      m = ``n_neighbours`` = 2 best; afterwards (``train_edu``'s second phase sets ``n_neighbours =
-      20``) it gossips with up to 20 of the kept ones per round, as many as there are below that.
-      This changes the selection materially (a 20-client cluster among 100 sees at least two of its
-      own among 5 candidates in 24 % of the rounds, among 20 in 94 %: hypergeometric), so it is an
-      option here: ``selection_candidates: 20``, ``num_kept: 2``, ``num_neighbours: 20`` (capped at
-      the kept set's size, as there).
-    * direction: it evaluates client i's *own* model on candidate j's training data (ours and the
-      DAC reference: j's model on i's data). Not an option: here a client holds only its own data,
-      so it would need a task in which j scores i's model; documented instead.
-    * metric: accuracy by default (``--neighbour_selection_metric acc``; 1/(loss + 1e-5) optional);
-      ours the loss (the DAC reference's). Not an option (the reply carries losses only).
-    * 20 selection rounds (``train_edu`` sets ``n_comrounds = 20``): ``selection_rounds: 20``.
-    * its cut-off ("above_average") is count > m · rounds / (N − 1) − 1, ours count > (m / N) ·
-      rounds; at m = 2, N = 100 both keep every peer kept at least once for up to 49 rounds.
-    * it averages the kept models with equal weights (ours by sample counts, equal here).
-    """
-
-    name = "pens"
-    Options = PENSOptions
-
-    def __init__(self, options: PENSOptions, setup: StrategySetup) -> None:
-        super().__init__(options, setup)
-        n = setup.num_clients
-        self.kept_counts = np.zeros((n, n), dtype=np.int64)  # how often i kept j in the selection rounds
-        self.neighbour_sets = np.zeros((n, n), dtype=bool)  # after the selection: whom i gossips with
-
-    @property
-    def selecting(self) -> bool:
-        return self.exchanges < self.options.selection_rounds
-
-    def exchange_phase(self) -> str:
-        return "pens_selection" if self.selecting else "pens_gossip"
-
-    def exchange_config(self) -> dict[str, int]:
-        return {gossip.MERGE_LOWEST_KEY: self.options.num_kept} if self.selecting else {}
-
-    def neighbour_count(self) -> int:
-        candidates = self.options.selection_candidates
-        return candidates if self.selecting and candidates is not None else self.options.num_neighbours
-
-    def neighbour_scores(self, server_round: int, pid: int, candidates: np.ndarray) -> np.ndarray:
-        if self.selecting:
-            return np.zeros(len(candidates))
-        return np.where(self.neighbour_sets[pid, candidates], 0.0, -np.inf)
-
-    def after_exchange(self, pid: int, neighbours: Sequence[int], losses: Sequence[float]) -> None:
-        if self.round_phase == "pens_selection":  # the client merged these: the same rule, on the same losses
-            for j in lowest(losses, self.options.num_kept):
-                self.kept_counts[pid, neighbours[j]] += 1
-
-    def absorb(self, server_round: int, replies: list[Reply]) -> None:
-        super().absorb(server_round, replies)
-        if self.round_phase == "pens_selection" and not self.selecting:  # the last selection round
-            expected = self.options.num_kept / self.setup.num_clients * self.options.selection_rounds
-            self.neighbour_sets = self.kept_counts > expected
-
-    def round_metrics(self, server_round: int) -> dict[str, Any]:
-        sizes = self.neighbour_sets.sum(axis=1)
-        return super().round_metrics(server_round) | {"mean_neighbour_set": float(sizes.mean())}
-
-    def state_dict(self) -> dict[str, Any]:
-        return super().state_dict() | {"kept_counts": self.kept_counts, "neighbour_sets": self.neighbour_sets}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.kept_counts = np.array(state["kept_counts"], dtype=np.int64)
-        self.neighbour_sets = np.array(state["neighbour_sets"], dtype=bool)
-
-    @classmethod
-    def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
-        """Once a selection round ran, its n, m and length shaped the counts."""
-        selection = ("num_kept", "selection_rounds", "selection_candidates") if state.get("exchanges", 0) >= 1 else ()
-        return super().options_fixed_by(state) + selection

@@ -1,66 +1,38 @@
-"""The round log: a run's per-round accounting and everything it writes.
+"""The round log: a run's per-round accounting and everything it writes; the runner's observer of
+a strategy (:meth:`~fedcluster_flwr.algorithms.base.ClusteredStrategy.connect`).
 
-It owns the round's counters (traffic, failures, rejected replies, training loss), the run's
+From each round's :class:`~fedcluster_flwr.algorithms.base.RoundReport` (the round's counters:
+traffic, failures, rejected replies, training loss; every client's evaluation) it keeps the run's
 totals (also per phase) and wall time, the metrics row of every round (mean, per assigned
 cluster and per *true* cluster accuracy, clustering scores against the true ids, traffic), the
 summary, and when checkpoints, artifacts and plots are due. Files are written through
 :class:`~fedcluster_flwr.results.RunRecorder`. The strategy is only read, through its public
-hooks (phase, assignment, round_metrics, summary, state_dict, artifacts); it writes nothing.
+hooks (phase, assignment, round_metrics, summary, state_dict, artifacts); it writes nothing
+and never sees this log.
 
 A checkpoint is ``{"round", "strategy": strategy.state_dict(), "log": log.state_dict()}``,
-self-contained: :func:`resume` continues a freshly built strategy from it.
+self-contained: :func:`resume` continues a freshly built strategy and log from it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from logging import INFO
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from flwr.common import log
 
-from ..clustering import cluster_scores
-from ..results import RunRecorder
-from .directory import UNKNOWN_CLUSTER
-
-if TYPE_CHECKING:
-    from .core import ClusteredStrategy
-
-UNASSIGNED = -1
-
-
-@dataclass
-class RoundCounters:
-    """What the round in progress has produced so far (filled by the strategy core)."""
-
-    started: float = 0.0
-    fit_clients: tuple[int, ...] = ()
-    fit_failures: int = 0
-    rejected_updates: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    bytes_eval: int = 0
-    train_loss: float = float("nan")
-    artifacts: dict[str, Any] = field(default_factory=dict)  # files the algorithm returned this round
+from .algorithms.base import UNASSIGNED, ClusteredStrategy
+from .algorithms.base.directory import UNKNOWN_CLUSTER
+from .algorithms.base.strategy import RoundReport
+from .clustering import cluster_scores, mean_by
+from .results import RunRecorder
 
 
 TOTALS = ("bytes_up", "bytes_down", "bytes_eval", "fit_failures", "rejected_updates")
 PHASE_TOTALS = ("bytes_up", "bytes_down")  # also summed per phase (e.g. one-shot HFL's clustering rounds)
-
-
-def mean_by(values: Mapping[int, float], groups: Mapping[int, str]) -> dict[str, float]:
-    """Mean of ``values`` per group name, groups sorted as numbers where they are numbers."""
-    grouped: dict[str, list[float]] = {}
-    for pid, value in values.items():
-        grouped.setdefault(groups[pid], []).append(value)
-    return {k: float(np.mean(v)) for k, v in sorted(grouped.items(), key=lambda kv: _group_order(kv[0]))}
-
-
-def _group_order(name: str) -> tuple[int, float, str]:
-    return (0, float(name), "") if name.lstrip("-").isdigit() else (1, 0.0, name)
 
 
 class RoundLog:
@@ -86,18 +58,11 @@ class RoundLog:
         self.target_accuracy = target_accuracy
         self.rounds = rounds
         self.checkpoint_every = checkpoint_every
-        self.round = RoundCounters()
         self.totals = {key: 0 for key in TOTALS}
         self.totals_by_phase: dict[str, dict[str, int]] = {}
         self.latest_accuracy: dict[int, float] = {}
-        # Per client: (lowest validation loss so far, test accuracy of the model that had it).
-        self.best_validated: dict[int, tuple[float, float]] = {}
         self._started = time.perf_counter()
         self._seconds_before = 0.0  # wall time of the rounds before a resumed checkpoint
-
-    def start_round(self) -> RoundCounters:
-        self.round = RoundCounters(started=time.perf_counter())
-        return self.round
 
     def finished(self, server_round: int) -> bool:
         return server_round >= self.rounds
@@ -109,37 +74,23 @@ class RoundLog:
         )
 
     def metrics_row(
-        self,
-        server_round: int,
-        phase: str,
-        accuracy: Mapping[int, float],
-        loss: Mapping[int, float],
-        eval_failures: int,
-        assignment: np.ndarray,
-        connected: Sequence[int],
-        val_loss: Mapping[int, float] | None = None,
+        self, report: RoundReport, phase: str, assignment: np.ndarray, connected: Sequence[int]
     ) -> dict[str, Any]:
-        """The round's metrics; ``accuracy`` and ``loss`` by partition id, in partition-id order.
-
-        Where clients report a validation loss, the row also holds the test accuracy of each
-        client's model with the lowest validation loss so far (model selection as in Zec et al.).
-        """
+        """The round's metrics; the report's ``accuracy`` and ``loss`` by partition id, in partition-id order."""
+        server_round, accuracy, loss, eval_failures = report.server_round, report.accuracy, report.loss, report.eval_failures
         target = self.target_accuracy
         values = np.asarray(list(accuracy.values()), dtype=float)
         cluster_names = {
             pid: str(int(assignment[pid])) if assignment[pid] != UNASSIGNED else "unassigned" for pid in accuracy
         }
         assigned = [p for p in connected if assignment[p] != UNASSIGNED]
-        counters = self.round
+        counters = report.counters
         for key in self.totals:
             self.totals[key] += getattr(counters, key)
         by_phase = self.totals_by_phase.setdefault(phase, {key: 0 for key in PHASE_TOTALS})
         for key in PHASE_TOTALS:
             by_phase[key] += getattr(counters, key)
         self.latest_accuracy = dict(accuracy)
-        for pid, value in (val_loss or {}).items():
-            if pid not in self.best_validated or value < self.best_validated[pid][0]:
-                self.best_validated[pid] = (value, accuracy[pid])
         true = self.true_clusters
         unknown = [p for p in connected if true[p] == UNKNOWN_CLUSTER]
         per_true = mean_by({p: a for p, a in accuracy.items() if true[p] != UNKNOWN_CLUSTER},
@@ -174,11 +125,6 @@ class RoundLog:
         }
         if unknown:
             row["true_cluster_unavailable"] = unknown
-        if self.best_validated:
-            best = {p: acc for p, (_, acc) in sorted(self.best_validated.items())}
-            row["mean_best_val_accuracy"] = float(np.mean(list(best.values())))
-            row["per_true_cluster_best_val_accuracy"] = mean_by(
-                {p: a for p, a in best.items() if true[p] != UNKNOWN_CLUSTER}, {p: str(int(true[p])) for p in best})
         return row
 
     def summary(self, server_round: int, strategy: str, assignment: np.ndarray) -> dict[str, Any]:
@@ -202,8 +148,6 @@ class RoundLog:
             "per_cluster_accuracy": last.get("per_cluster_accuracy"),
             "per_true_cluster_accuracy": last.get("per_true_cluster_accuracy"),
             "per_true_cluster_accuracy_std": last.get("per_true_cluster_accuracy_std"),
-            "mean_best_val_accuracy": last.get("mean_best_val_accuracy"),
-            "per_true_cluster_best_val_accuracy": last.get("per_true_cluster_best_val_accuracy"),
             "num_clusters": last.get("num_clusters"),
             "purity": last.get("purity"),
             "ari": last.get("ari"),
@@ -217,26 +161,16 @@ class RoundLog:
             "numeric_platform": self.numeric_platform,
         }
 
-    def end_round(
-        self,
-        strategy: ClusteredStrategy,
-        server_round: int,
-        accuracy: dict[int, float],
-        loss: dict[int, float],
-        eval_failures: int,
-        val_loss: dict[int, float] | None = None,
-    ) -> dict[str, Any]:
+    def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> dict[str, Any]:
         """Record the round: its row, the files the algorithm returned, a checkpoint with the
         strategy's artifacts when one is due, the plots at the end, and the summary (last:
         ``finished`` means all is written). Returns the row."""
+        server_round = report.server_round
         self.true_clusters = strategy.directory.true_clusters(self.experiment_true_clusters)
-        row = self.metrics_row(
-            server_round, strategy.phase(server_round), accuracy, loss, eval_failures,
-            strategy.assignment, strategy.directory.connected, val_loss,
-        )
+        row = self.metrics_row(report, strategy.phase(server_round), strategy.assignment, strategy.directory.connected)
         row.update(strategy.round_metrics(server_round))
         self.recorder.log_round(row)
-        self.recorder.write_artifacts(self.round.artifacts)
+        self.recorder.write_artifacts(report.counters.artifacts)
         if self.checkpoint_due(server_round):
             checkpoint = {"round": server_round, "strategy": strategy.state_dict(), "log": self.state_dict()}
             self.recorder.save_checkpoint(checkpoint)
@@ -260,23 +194,21 @@ class RoundLog:
             "totals": dict(self.totals),
             "totals_by_phase": self.totals_by_phase,
             "wall_seconds": self.wall_seconds(),
-            "best_validated": {p: list(v) for p, v in self.best_validated.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any], completed_round: int) -> None:
         """Continue the totals of ``state`` after ``completed_round``; later rows are dropped."""
         self.totals.update(state["totals"])
         self.totals_by_phase = {phase: dict(totals) for phase, totals in state["totals_by_phase"].items()}
-        self.best_validated = {int(p): (v[0], v[1]) for p, v in state["best_validated"].items()}
         self._seconds_before = float(state["wall_seconds"])
         self.recorder.resume(completed_round)
 
 
-def resume(strategy: ClusteredStrategy, checkpoint: Mapping[str, Any]) -> None:
-    """Continue ``strategy`` (freshly built from the run's config) from ``checkpoint``
+def resume(strategy: ClusteredStrategy, log: RoundLog, checkpoint: Mapping[str, Any]) -> None:
+    """Continue ``strategy`` (freshly built from the run's config) and its ``log`` from ``checkpoint``
     (:func:`~fedcluster_flwr.results.load_checkpoint`): its state, the log's totals, and the
     round numbering (Flower counts the remaining rounds from 1 again; ``round_offset`` maps them)."""
     completed = int(checkpoint["round"])
     strategy.load_state_dict(checkpoint["strategy"])
     strategy.round_offset = completed
-    strategy.log.load_state_dict(checkpoint["log"], completed)
+    log.load_state_dict(checkpoint["log"], completed)

@@ -42,15 +42,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from flwr.common import NDArrays, Scalar
+from ...types import NDArrays, Scalar
 
-from .. import protocol
-from ..protocol import MODEL, MODELS, TRAIN, Task
-from ..tasks import selection
-from ..tasks.selection import DIRECTIONS, SELECT, TRAIN_SELECT
-from ..schema import Interval, LessThan, above, at_least, option, require
-from .core import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ... import protocol
+from ...protocol import MODEL, MODELS, TRAIN, Task
+from ..base import selection
+from ..base.selection import DIRECTIONS, SELECT, TRAIN_SELECT
+from ...schema import Interval, LessThan, above, at_least, option, require
+from ..base.strategy import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
+from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ...registry import register
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ def score_spreads(replies: list[Reply], num_models: int) -> dict[str, float]:
     return spreads
 
 
+@register
 class IFCA(ClusteredStrategy):
     """K cluster models; sampled clients pick theirs by training loss, train it, FedAvg per identity."""
 
@@ -255,6 +257,7 @@ class IFCA(ClusteredStrategy):
         }
 
 
+@register
 class GradLoss(IFCA):
     """Lin et al.: identity by λ·cos(−∇L_k, Δw_k) − (1−λ)·L_k; sends each cluster's last update."""
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.common import Scalar
+from ...types import Scalar
 from torch import nn
 
-from ..client import ClusterClient, TaskInput, TaskOutput, handles, round_seed
-from ..protocol import (
+from ...client import ClusterClient, TaskInput, TaskOutput, handles, round_seed
+from ...protocol import (
     LOSS,
     MODEL,
     MODELS,
@@ -40,7 +40,7 @@ from ..protocol import (
     one_per_item,
     when_sent,
 )
-from ..training import (
+from ...training import (
     descent_similarity,
     get_weights,
     gradient_step,

@@ -46,23 +46,20 @@ from typing import Any, Literal
 import numpy as np
 from flwr.common import log
 
-from ..clustering import (
-    ClusteringRecord,
-    closest_cluster,
-    cluster_square,
-    cut_rule,
-    proximity_matrix,
-    subspace_proximity,
-    within_and_across,
-)
-from ..features import feature_dim
-from ..results import plot_client_matrix
-from ..schema import AtMostOne, above, at_least, option, require
-from ..tasks import oneshot
-from ..tasks.oneshot import EIGENVECTORS, GRAM_EIGEN
-from .core import UNASSIGNED, Artifacts, Instruction, Reply, StrategySetup
-from .oneshot_hfl import FeatureMapOptions, HFLOptions, HierarchicalFL, feature_config
-from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ...clustering import ClusteringRecord, cluster_square, cut_rule
+
+from .math import closest_cluster, proximity_matrix, subspace_proximity
+
+from ..oneshot.math import within_and_across
+from ...features import feature_dim
+from ...results import plot_client_matrix
+from ...schema import AtMostOne, above, at_least, option, require
+from ..oneshot import tasks as oneshot
+from ..oneshot.tasks import EIGENVECTORS, GRAM_EIGEN
+from ..base.strategy import UNASSIGNED, Artifacts, Instruction, Reply, StrategySetup
+from ..oneshot.strategy import FeatureMapOptions, HFLOptions, HierarchicalFL, feature_config
+from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ...registry import register
 
 
 @dataclass(frozen=True)
@@ -84,6 +81,7 @@ class PACFLOptions(FeatureMapOptions, HFLOptions):
         require(self.num_basis <= dim, f"{prefix}.num_basis", f"cannot exceed the {dim} features of {self.features}")
 
 
+@register
 class PACFL(HierarchicalFL):
     """One round of client subspaces, HAC of their principal angles, then FedAvg per cluster."""
 

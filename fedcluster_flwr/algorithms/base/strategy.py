@@ -12,8 +12,10 @@ Every round of every fedcluster strategy goes the same way:
 2. :meth:`ClusteredStrategy.absorb` (the algorithm; by default FedAvg inside each cluster) takes
    the round's replies.
 3. Every online client evaluates *its own* model (:meth:`evaluation_model`) on its own test
-   split, and the :class:`~.round_log.RoundLog` records the round, checkpoints the strategy's
-   :meth:`state_dict` and writes its :meth:`artifacts`.
+   split; :meth:`evaluated` (the algorithm; by default nothing) sees the results, and the
+   :class:`RoundReport` goes to the observer the runner connected (:meth:`connect`), which
+   records the round, checkpoints the strategy's :meth:`state_dict` and writes its
+   :meth:`artifacts`. A strategy writes no file and keeps no log: state in, decisions out.
 
 Models are kept per cluster (``models``, keyed by cluster id) or per client (``client_models``,
 keyed by partition id, for personal-model strategies); ``assignment`` maps every client to a
@@ -27,11 +29,12 @@ A new algorithm is one subclass: set ``name`` and ``Options``, implement
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from pathlib import Path
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Protocol, Union
 
 import numpy as np
 from flwr.common import (
@@ -49,17 +52,18 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
-from .. import protocol
-from ..aggregation import weighted_mean
-from ..models import parameters_with_prefixes
-from ..protocol import MODEL, MODELS, TRAIN, ModelSpec
-from ..results import RunRecorder
-from ..tasks.selection import SELECT, SELECTED, TRAIN_SELECT
-from .directory import ClientDirectory
+from ... import protocol
+from ...aggregation import weighted_mean
+from ...models import parameters_with_prefixes
+from ...protocol import MODEL, MODELS, TRAIN, ModelSpec
+from .selection import SELECT, SELECTED, TRAIN_SELECT
+from .directory import ClientDirectory, Federation
 from .messages import Instruction, Reply, RoundMessages, parameters_nbytes
-from .round_log import UNASSIGNED, RoundLog
 
-__all__ = ["HOOKS", "UNASSIGNED", "Artifacts", "ClusteredStrategy", "Instruction", "Reply", "StrategySetup"]
+__all__ = ["HOOKS", "UNASSIGNED", "Artifacts", "ClusteredStrategy", "Instruction", "Reply", "RoundReport",
+           "StrategySetup"]
+
+UNASSIGNED = -1  # the cluster of a client that has none (yet)
 
 # A file of the run directory a strategy describes, by file name: an array (``.npy``) or a
 # figure, drawn by calling it with the path (``.png``). The results side writes them.
@@ -69,6 +73,7 @@ Artifacts = Mapping[str, Union[np.ndarray, Callable[[Path], Any]]]
 HOOKS = (
     "fit_instructions",  # who works this round, on which task (required)
     "absorb",  # take the round's replies (default: FedAvg inside each cluster)
+    "evaluated",  # see the round's evaluation results (default: nothing)
     "phase",  # the name of a round's phase in rounds.jsonl
     "unassigned_model",  # what a client without a cluster is evaluated on
     "round_metrics",  # the algorithm's entries of a round's row
@@ -82,26 +87,18 @@ HOOKS = (
 
 @dataclass(frozen=True)
 class StrategySetup:
-    """Everything a strategy needs from the experiment, built by the server app."""
+    """The algorithm's inputs from the experiment (how the run is recorded and how its clients are
+    found are the runner's: :meth:`ClusteredStrategy.connect`)."""
 
     initial_weights: NDArrays
     num_clients: int
-    true_clusters: np.ndarray
+    true_clusters: np.ndarray  # per partition: what the oracles use and the plots order by
     rounds: int
     seed: int
-    target_accuracy: float
-    recorder: RunRecorder
     train_sizes: Sequence[int] | None = None  # per partition; a reply claiming more is refused
-    title: str = ""
-    join_round: Mapping[int, int] = field(default_factory=dict)
-    checkpoint_every: int = 0
-    wait_for_clients_s: float = 60.0
-    timeout_s: float | None = None
     parameter_names: Sequence[str] | None = None  # the model's state_dict keys; None: array0, array1, ...
     init_weights: Callable[[int], NDArrays] | None = None  # a freshly initialised model for a seed
     input_shape: tuple[int, ...] | None = None  # of the dataset's images (C, H, W)
-    stop_round: int | None = None  # stop (and checkpoint) after this round, before ``rounds``: a shared prefix
-    numeric_platform: Mapping[str, str] | None = None  # the server process's (numerics.numeric_platform)
     cluster_names: Sequence[str] | None = None  # what each true cluster is, by id ("180°"), for plots
 
     @property
@@ -110,11 +107,46 @@ class StrategySetup:
         return ModelSpec.of(names, self.initial_weights)
 
 
+@dataclass
+class RoundCounters:
+    """What the round in progress has produced so far, as the Flower side of the strategy counts it."""
+
+    started: float = 0.0
+    fit_clients: tuple[int, ...] = ()
+    fit_failures: int = 0
+    rejected_updates: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    bytes_eval: int = 0
+    train_loss: float = float("nan")
+    artifacts: dict[str, Any] = field(default_factory=dict)  # files the algorithm returned this round
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """A finished round, as the strategy hands it to the runner's observer: its counters and every
+    evaluated client's results (by partition id, in partition-id order)."""
+
+    server_round: int
+    counters: RoundCounters
+    accuracy: Mapping[int, float]
+    loss: Mapping[int, float]
+    eval_failures: int
+    val_loss: Mapping[int, float] = field(default_factory=dict)
+
+
+class RoundObserver(Protocol):
+    """Who records a strategy's rounds (the runner's round log); returns the round's row."""
+
+    def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> Mapping[str, Any]: ...
+
+
 class ClusteredStrategy(Strategy):
     """Per-cluster (or per-client) models and the round protocol; see the module docstring."""
 
     name: ClassVar[str]
     Options: ClassVar[type]
+    round_word: ClassVar[str] = "rounds"  # what one of its rounds is, in plots ("ifca rounds")
 
     def __init__(self, options: Any, setup: StrategySetup) -> None:
         super().__init__()
@@ -126,13 +158,17 @@ class ClusteredStrategy(Strategy):
         self.client_models: dict[int, NDArrays] = {}
         self.assignment = np.zeros(setup.num_clients, dtype=np.int64)
         self.rng = np.random.default_rng(setup.seed)
-        self.directory = ClientDirectory(setup.num_clients, setup.join_round, setup.wait_for_clients_s, setup.timeout_s)
+        self.directory = ClientDirectory(setup.num_clients)
         self.messages = RoundMessages(self.model_spec, setup.train_sizes)
-        self.log = RoundLog(
-            setup.recorder, setup.true_clusters, setup.target_accuracy, setup.rounds, setup.checkpoint_every,
-            setup.stop_round, setup.numeric_platform, setup.title or self.name,
-        )
+        self.observer: RoundObserver | None = None
+        self.round = RoundCounters()
         self.round_offset = 0  # rounds already done when resuming: Flower's round r is round r + offset
+
+    def connect(self, federation: Federation, observer: RoundObserver | None) -> ClusteredStrategy:
+        """The runner's part: how the Flower clients are found, and who records each round."""
+        self.directory = ClientDirectory(self.setup.num_clients, federation)
+        self.observer = observer
+        return self
 
     # ---- hooks (see HOOKS) ---------------------------------------------------------------------
 
@@ -149,6 +185,10 @@ class ClusteredStrategy(Strategy):
         """
         self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
         return None
+
+    def evaluated(self, server_round: int, report: RoundReport) -> None:
+        """See the round's evaluation results before the round is recorded (e.g. to select each
+        client's model by its validation loss); default: nothing."""
 
     def phase(self, server_round: int) -> str:
         """Name of the algorithm's phase in ``server_round`` (recorded per round)."""
@@ -294,7 +334,7 @@ class ClusteredStrategy(Strategy):
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
         server_round += self.round_offset
-        counters = self.log.start_round()
+        counters = self.round = RoundCounters(started=time.perf_counter())
         online = self.directory.online_clients(server_round, client_manager)
         self.messages.train_sizes = self.directory.train_sizes(self.setup.train_sizes)
         packed = self.messages.pack_fit(self.fit_instructions(server_round, online), server_round)
@@ -309,7 +349,7 @@ class ClusteredStrategy(Strategy):
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         server_round += self.round_offset
-        counters = self.log.round
+        counters = self.round
         counters.fit_failures += len(failures)
         for failure in failures:
             log(WARNING, "round %s: a client failed during fit: %s", server_round, _describe_failure(failure))
@@ -335,10 +375,10 @@ class ClusteredStrategy(Strategy):
         server_round += self.round_offset
         online = self.directory.online_clients(server_round, client_manager)
         if not online:
-            self.log.end_round(self, server_round, {}, {}, eval_failures=0)
+            self.end_round(RoundReport(server_round, self.round, {}, {}, eval_failures=0))
             return []
         packed = self.messages.pack_evaluate({pid: self.evaluation_model(pid) for pid in online}, server_round)
-        self.log.round.bytes_eval = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
+        self.round.bytes_eval = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
         return [(self.directory.proxy(pid), ins) for pid, ins in packed]
 
     def aggregate_evaluate(
@@ -363,9 +403,15 @@ class ClusteredStrategy(Strategy):
         eval_failures = len(failures) + len(results) - len(accuracy)
         # Partition-id order, not arrival order: means are then bit-identical across reruns.
         accuracy, loss = dict(sorted(accuracy.items())), dict(sorted(loss.items()))
-        row = self.log.end_round(self, server_round, accuracy, loss, eval_failures, dict(sorted(val_loss.items())))
+        self.end_round(RoundReport(server_round, self.round, accuracy, loss, eval_failures, dict(sorted(val_loss.items()))))
         mean_loss = float(np.mean(list(loss.values()))) if loss else None
-        return mean_loss, {"mean_client_accuracy": row["mean_client_accuracy"]}
+        mean_accuracy = float(np.mean(list(accuracy.values()))) if accuracy else float("nan")
+        return mean_loss, {"mean_client_accuracy": mean_accuracy}
+
+    def end_round(self, report: RoundReport) -> None:
+        self.evaluated(report.server_round, report)
+        if self.observer is not None:
+            self.observer.round_ended(self, report)
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         """No centralized evaluation: every client tests its own model on its own data."""

@@ -44,19 +44,19 @@ from typing import Any, Literal
 import numpy as np
 from flwr.common import Scalar, log
 
-from ..aggregation import average_layers
-from ..clustering import (
-    RELEVANCE_FLOOR, ClusteringRecord, cluster_by_relevance, cut_rule, relevance_matrix, within_and_across,
-)
-from ..features import check_weights_file, feature_dim
-from ..models import model_outline, parameter_names, parameters_with_prefixes
-from ..protocol import MODEL
-from ..tasks import oneshot
-from ..tasks.oneshot import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
-from ..results import plot_client_matrix
-from ..schema import AtMostOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
-from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ...aggregation import average_layers
+from ...clustering import ClusteringRecord, cut_rule
+from .math import RELEVANCE_FLOOR, cluster_by_relevance, relevance_matrix, within_and_across
+from ...features import check_weights_file, feature_dim
+from ...models import model_outline, parameter_names, parameters_with_prefixes
+from ...protocol import MODEL
+from . import tasks as oneshot
+from .tasks import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
+from ...results import plot_client_matrix
+from ...schema import AtMostOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
+from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
+from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ...registry import register
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,7 @@ class HierarchicalFL(ClusteredStrategy):
         self.gps_total = int(state["gps_total"])
 
 
+@register
 class RandomClusters(HierarchicalFL):
     """The paper's baseline: clients put in ``num_clusters`` clusters at random, then HFL."""
 
@@ -246,6 +247,7 @@ class RandomClusters(HierarchicalFL):
         self.clustered = True
 
 
+@register
 class OracleHFL(HierarchicalFL):
     """HFL with the true tasks as clusters (the yardstick of perfect clustering)."""
 
@@ -258,6 +260,7 @@ class OracleHFL(HierarchicalFL):
         self.clustered = True
 
 
+@register
 class OneShotHFL(HierarchicalFL):
     """Clusters from the clients' Gram-matrix eigenvectors in two rounds, then HFL."""
 

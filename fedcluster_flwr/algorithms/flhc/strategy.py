@@ -30,11 +30,12 @@ from typing import Any, Literal
 import numpy as np
 from flwr.common import NDArrays, log
 
-from ..clustering import ClusteringRecord, HacResult, UpdateMatrix, cut_rule, flatten, hierarchical_clustering
-from ..protocol import MODEL
-from ..schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
-from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ...clustering import ClusteringRecord, HacResult, UpdateMatrix, cut_rule, flatten, hierarchical_clustering
+from ...protocol import MODEL
+from ...schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
+from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
+from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ...registry import register
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class FLHCOptions:
     )
 
 
+@register
 class FLHC(ClusteredStrategy):
     """FedAvg, one clustering round of all clients' updates, then FedAvg per cluster."""
 

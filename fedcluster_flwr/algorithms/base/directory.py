@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from logging import ERROR, WARNING
 
 from flwr.common import GetPropertiesIns, log
@@ -20,7 +21,7 @@ from flwr.server.client_proxy import ClientProxy
 
 import numpy as np
 
-from ..protocol import DATA_SOURCE, DATA_SOURCE_FOLDER, NUM_PARTITIONS, PARTITION_ID, TRAIN_EXAMPLES, TRUE_CLUSTER, is_int
+from ...protocol import DATA_SOURCE, DATA_SOURCE_FOLDER, NUM_PARTITIONS, PARTITION_ID, TRAIN_EXAMPLES, TRUE_CLUSTER, is_int
 
 UNKNOWN_CLUSTER = -1  # the true cluster of a device that did not say (no cluster-id in its node config)
 
@@ -29,20 +30,23 @@ class FederationError(RuntimeError):
     """The federation does not match the experiment (wrong number of SuperNodes, no client answers)."""
 
 
+@dataclass(frozen=True)
+class Federation:
+    """How the run's Flower clients behave, as the runner knows it (not the algorithm's business)."""
+
+    join_round: Mapping[int, int] = field(default_factory=dict)  # partition id -> first round it is online
+    wait_for_clients_s: float = 60.0  # for the first clients to register
+    timeout_s: float | None = None  # of a get_properties call
+
+
 class ClientDirectory:
     """Partition ids of Flower clients, learnt once per client; see the module docstring."""
 
-    def __init__(
-        self,
-        num_clients: int,
-        join_round: Mapping[int, int],
-        wait_for_clients_s: float,
-        timeout_s: float | None,
-    ) -> None:
+    def __init__(self, num_clients: int, federation: Federation = Federation()) -> None:
         self.num_clients = num_clients
-        self.join_round = join_round
-        self.wait_for_clients_s = wait_for_clients_s
-        self.timeout_s = timeout_s
+        self.join_round = federation.join_round
+        self.wait_for_clients_s = federation.wait_for_clients_s
+        self.timeout_s = federation.timeout_s
         self._pid_of_cid: dict[str, int] = {}
         self._proxies: dict[int, ClientProxy] = {}
         self._discovered_in = 0

@@ -17,12 +17,12 @@ With ``merge_lowest`` = m' only the m' neighbour models of lowest loss are merge
 
 from __future__ import annotations
 
-from flwr.common import Scalar
+from ...types import Scalar
 
-from ..aggregation import lowest, weighted_mean
-from ..client import ClusterClient, TaskInput, TaskOutput, handles
-from ..protocol import LOSS, MODEL, MODELS, TRAIN_LOSS, Task, indexed, one_model, one_per_item
-from ..training import get_weights
+from ...aggregation import lowest, weighted_mean
+from ...client import ClusterClient, TaskInput, TaskOutput, handles
+from ...protocol import LOSS, MODEL, MODELS, TRAIN_LOSS, Task, indexed, one_model, one_per_item
+from ...training import get_weights
 
 # Instruction config.
 SAMPLES_KEY = "samples"  # samples_j, the training samples behind neighbour j's model

@@ -86,17 +86,20 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from logging import INFO
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from flwr.common import NDArrays, log
 
-from ..clustering import bipartition, flatten
-from ..protocol import MODEL, TRAIN
-from ..schema import ConfigError, NoMoreThan, above, at_least, option
-from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import SHARE_OF_CLIENTS
+from ...clustering import flatten
+
+from .math import bipartition, cosine_similarity
+from .plots import plot_cluster_tree
+from ...protocol import MODEL, TRAIN
+from ...schema import ConfigError, NoMoreThan, above, at_least, option
+from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
+from ..base.options import SHARE_OF_CLIENTS
+from ...registry import register
 
 # The paper's absolute thresholds (``thresholds: absolute``), calibrated on the default digits
 # label swap (conf/default.yaml: mlp_digits, 2 epochs of SGD at lr 0.05, batch 16): see the
@@ -172,6 +175,7 @@ class UpdateStatistics:
     mean_client_norm: float = 0.0  # 1/n Σ ‖Δθ_i‖: the scale S of relative thresholds is its largest before any split
 
 
+@register
 class CFL(ClusteredStrategy):
     """FedAvg per cluster; a cluster at a stationary point with diverging clients splits in two."""
 
@@ -362,57 +366,3 @@ class CFL(ClusteredStrategy):
             return ()
         return ("thresholds", "eps1", "eps2", "eps1_relative", "eps2_relative", "warmup_rounds", "min_cluster_size",
                 "max_clusters", "bipartition", "mean_update")
-
-
-def cosine_similarity(updates: np.ndarray) -> np.ndarray:
-    """α_ij of the rows (float64; a zero update is orthogonal to everything, α = 0)."""
-    rows = updates.astype(np.float64)
-    norms = np.linalg.norm(rows, axis=1)
-    unit = np.divide(rows, norms[:, None], out=np.zeros_like(rows), where=norms[:, None] > 0)
-    return np.clip(unit @ unit.T, -1.0, 1.0)
-
-
-def plot_cluster_tree(
-    splits: Sequence[Split], assignment: np.ndarray, true_clusters: np.ndarray, rounds: int, path: Path, title: str
-) -> None:
-    """Clusters as horizontal lines over the rounds, each split a fork labelled with its round and
-    α_max^cross; each current cluster labelled with its size and how many of its members come from
-    each true cluster (``true 0:5, 2:1``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    children = {s.parent: s for s in splits}
-    born = {c: s.round for s in splits for c in s.children}
-    rows: dict[int, float] = {}
-
-    def place(node: int) -> float:  # leaves top to bottom in tree order, a parent between its children
-        if node in children:
-            rows[node] = float(np.mean([place(c) for c in children[node].children]))
-        else:
-            rows[node] = float(len([r for n, r in rows.items() if n not in children]))
-        return rows[node]
-
-    place(0)
-    fig, ax = plt.subplots(figsize=(8.0, max(2.5, 0.55 * (len(splits) + 1) + 1.2)))
-    for node, y in rows.items():
-        start = born.get(node, 0)
-        end = children[node].round if node in children else rounds
-        ax.plot([start, end], [y, y], color="tab:blue", lw=2)
-        if node in children:
-            split = children[node]
-            ys = [rows[c] for c in split.children]
-            ax.plot([end, end], [min(ys), max(ys)], color="tab:gray", lw=1)
-            ax.annotate(f"r{split.round}  α={split.alpha_max_cross:.2f}", (end, y), xytext=(3, 3),
-                        textcoords="offset points", fontsize=7, color="tab:red")
-        else:
-            truth = np.bincount(true_clusters[assignment == node], minlength=1)
-            label = ", ".join(f"{t}:{n}" for t, n in enumerate(truth) if n)
-            ax.annotate(f"c{node} ({int(truth.sum())}; true {label})", (end, y), xytext=(4, -3),
-                        textcoords="offset points", fontsize=7)
-    ax.set(title=title, xlabel="round", yticks=[], xlim=(0, rounds * 1.35))
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..protocol import MODELS, TRAIN
-from ..schema import option
-from .core import ClusteredStrategy, Instruction, Reply, StrategySetup
-from .options import SHARE_OF_CLIENTS
+from ...protocol import MODELS, TRAIN
+from ...schema import option
+from ..base.model_selection import ValidatedSelection
+from ..base.strategy import ClusteredStrategy, Instruction, Reply, StrategySetup
+from ..base.options import SHARE_OF_CLIENTS
+from ...registry import register
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class LocalOptions:
     """None: every online client trains its own model in every round."""
 
 
+@register
 class FedAvg(ClusteredStrategy):
     """One global model trained by a sampled fraction of all clients each round."""
 
@@ -39,7 +42,8 @@ class FedAvg(ClusteredStrategy):
         return self.train_cluster_models(self.sample(online, self.options.client_fraction))
 
 
-class LocalOnly(ClusteredStrategy):
+@register
+class LocalOnly(ValidatedSelection):
     """Every client trains only its own (personal) model, every round; for the per-cluster
     metrics each client is a cluster of one."""
 
@@ -60,6 +64,7 @@ class LocalOnly(ClusteredStrategy):
             self.client_models[reply.pid] = reply.model()
 
 
+@register
 class OracleClusters(ClusteredStrategy):
     """FedAvg inside each true cluster, every cluster starting from the same model."""
 

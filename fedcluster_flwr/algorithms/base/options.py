@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..schema import Interval, NoMoreThan
+from ...schema import Interval, NoMoreThan
 
 # A share of clients (``client_fraction``, a quorum): some, at most all.
 SHARE_OF_CLIENTS = Interval(0, 1, closed="right")

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .config import ExperimentConfig
+from ..config import ExperimentConfig
 
 LENGTH = struct.Struct("<Q")
 
@@ -105,7 +105,7 @@ def simulate(job: Job, on_round: Any) -> None:
     """Run ``job`` in this process: on Flower's Ray simulation engine, or (``simulation.engine``
     ``inprocess`` / ``batched``) on the in-process driver, with the same results directory."""
     if job.config.simulation.engine != "ray":
-        from .experiment import configure_driver_torch
+        from ..experiment import configure_driver_torch
         from .inprocess import run_in_process
 
         configure_driver_torch(job.config)
@@ -116,10 +116,10 @@ def simulate(job: Job, on_round: Any) -> None:
         return
     from flwr.simulation import run_simulation
 
-    from . import flower_patches
-    from .client_app import ExperimentClientApp
-    from .experiment import configure_driver_torch
-    from .server_app import make_server_app
+    from .. import flower_patches
+    from ..client_app import ExperimentClientApp
+    from ..experiment import configure_driver_torch
+    from ..server_app import make_server_app
 
     flower_patches.install()  # Flower's engine with less of its own work between the clients' (see there)
     config = job.config
@@ -168,7 +168,7 @@ def backend_config(config: ExperimentConfig, verbose: bool) -> dict[str, Any]:
 def check_ray_address(config: ExperimentConfig, timeout_s: float = 5.0) -> None:
     """Refuse a ``simulation.ray_address`` at which nothing answers, before the run starts: Ray's
     ``ray.init`` retries such an address for minutes (still retrying after 120 s, ray 2.55)."""
-    from .schema import ConfigError
+    from ..schema import ConfigError
 
     address = config.simulation.ray_address
     if address is None:
@@ -185,8 +185,8 @@ def check_ray_address(config: ExperimentConfig, timeout_s: float = 5.0) -> None:
 
 
 def main(events_fd: int) -> None:
-    from .data import DataError
-    from .schema import ConfigError
+    from ..data import DataError
+    from ..schema import ConfigError
 
     try:
         job = read_job(0)

@@ -8,7 +8,8 @@ wrapper, so parameters travel serialized exactly as in a simulation; only the tr
 and the thread pool are missing (replies are handed over in partition-id order, which the
 strategies do not depend on). Fast and deterministic: the behaviour-preservation test,
 seed sweeps (``benchmarks/multimodel --paper``) and quick studies use it; a slow test shows it gives
-the Ray engine's rounds bit for bit, and end-to-end tests use Ray.
+the Ray engine's rounds bit for bit, and end-to-end tests use Ray. :func:`play_round` is the one
+round loop: the tests drive strategies with it too, through synthetic clients.
 
 With ``simulation.engine: batched`` each client's handler runs in a thread of its own and the torch
 work of a round's clients executes together (:mod:`fedcluster_flwr.engines.batched`), spread over
@@ -22,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from flwr.common import Code
-from flwr.server.client_manager import SimpleClientManager
+from flwr.server.client_manager import ClientManager, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from .config import ExperimentConfig
-from .engines.batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
-from .experiment import client_device, make_client, server_components
-from .numerics import torch_threads
-from .protocol import TASK_KEY
-from .results import RoundRow
-from .strategies import StrategySetup
+from ..config import ExperimentConfig
+from .batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
+from ..experiment import client_device, make_client, server_components
+from ..numerics import torch_threads
+from ..protocol import TASK_KEY
+from ..results import RoundRow
+from ..algorithms.base import StrategySetup
 
 
 class InProcessProxy(ClientProxy):
@@ -59,6 +60,31 @@ class InProcessProxy(ClientProxy):
 
     def reconnect(self, ins, timeout, group_id):
         raise NotImplementedError
+
+
+Arrival = Callable[[list], Any]  # reorders a round's results in place, as arrival order would
+
+
+def play_round(
+    strategy: Any,
+    manager: ClientManager,
+    server_round: int,
+    rendezvous: Rendezvous | None = None,
+    arrival: Arrival | None = None,
+) -> None:
+    """One round as Flower's server plays it: configure_fit, every instructed client's ``fit`` (an
+    exception is a failure), aggregate_fit, configure_evaluate, ``evaluate``, aggregate_evaluate.
+    ``arrival`` reorders the fit and the evaluate results before the strategy sees them."""
+    results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
+    if arrival is not None:
+        arrival(results)
+    strategy.aggregate_fit(server_round, results, failures)
+    instructions = strategy.configure_evaluate(server_round, None, manager)
+    if instructions:  # as Flower's server: no evaluation round without instructions
+        results, failures = _call_all(instructions, "evaluate", rendezvous)
+        if arrival is not None:
+            arrival(results)
+        strategy.aggregate_evaluate(server_round, results, failures)
 
 
 def _call_all(instructions, method: str, rendezvous: Rendezvous | None = None) -> tuple[list, list]:
@@ -129,11 +155,7 @@ def run_in_process(
             for pid in range(config.partition.num_clients):
                 manager.register(InProcessProxy(config, pid, rendezvous))
             for server_round in range(1, components.config.num_rounds + 1):
-                results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
-                strategy.aggregate_fit(server_round, results, failures)
-                instructions = strategy.configure_evaluate(server_round, None, manager)
-                if instructions:  # as Flower's server: no evaluation round without instructions
-                    strategy.aggregate_evaluate(server_round, *_call_all(instructions, "evaluate", rendezvous))
+                play_round(strategy, manager, server_round, rendezvous)
         finally:
             if rendezvous is not None:
                 rendezvous.close()

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from flwr.common import Code, EvaluateIns, EvaluateRes, FitIns, FitRes, NDArrays, Parameters, Scalar
 
-from .. import protocol
-from ..protocol import EVALUATE, MODEL, MODELS, ModelSpec, Sent, Task
+from ... import protocol
+from ...protocol import EVALUATE, MODEL, MODELS, ModelSpec, Sent, Task
 
 __all__ = ["Instruction", "Reply", "RoundMessages", "parameters_nbytes"]
 

@@ -1,0 +1,120 @@
+"""The algorithm registry: which strategy a ``strategy.name`` selects, which handler a client runs
+for a task. Nothing here lists a method: each family registers itself when it is imported.
+
+* A strategy class registers with :func:`register` (its ``name`` is what ``strategy.name`` says).
+* A client task's handler registers with :func:`handles` (``@handles(SOME_TASK)``).
+
+:func:`load_families` imports every family once, on first need (a config naming a strategy, a
+client receiving a task it has no handler for):
+
+1. every subpackage of :mod:`fedcluster_flwr.algorithms` (the families shipped here);
+2. every entry point of the group ``fedcluster_flwr.algorithms`` (an installed package's
+   ``[project.entry-points."fedcluster_flwr.algorithms"] toy = "toy_family"``);
+3. every module named in the environment variable ``FEDCLUSTER_ALGORITHMS`` (comma-separated
+   import names, for a family that is importable but not installed; Ray's workers inherit it).
+
+Families are found by name, never imported from here by a static import, so that this module
+sits below everything that uses it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+from .schema import ConfigError
+
+if TYPE_CHECKING:
+    from .protocol import Task
+
+ENTRY_POINT_GROUP = "fedcluster_flwr.algorithms"
+FAMILIES_VARIABLE = "FEDCLUSTER_ALGORITHMS"
+BUILT_IN = "fedcluster_flwr.algorithms"
+SHARED_PACKAGES = ("base",)  # subpackages of BUILT_IN that are code the families share, not a family
+
+Handler = Callable[..., Any]  # (client.ClusterClient, client.TaskInput) -> client.TaskOutput
+
+STRATEGIES: dict[str, type] = {}  # strategy name -> strategy class
+HANDLERS: dict[str, tuple[Task, Handler]] = {}  # task name -> (task, its handler)
+_loaded: list[str] = []  # the family modules imported so far, in order
+
+
+class FamilyImportError(ConfigError):
+    """A family named by an entry point or ``FEDCLUSTER_ALGORITHMS`` could not be imported."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)
+
+
+def register(cls: type) -> type:
+    """Class decorator: ``strategy.name: <cls.name>`` selects ``cls``. A second class under a
+    name already taken is an error (two families would otherwise shadow each other silently)."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__qualname__} has no string 'name' to be registered under")
+    if STRATEGIES.get(name, cls) is not cls:
+        raise ValueError(f"strategy name {name!r} is taken by {_where(STRATEGIES[name])}; "
+                         f"{_where(cls)} needs another name")
+    STRATEGIES[name] = cls
+    return cls
+
+
+def handles(task: Task) -> Callable[[Handler], Handler]:
+    """Register the decorated function as the client's handler of ``task``."""
+
+    def register_handler(handler: Handler) -> Handler:
+        HANDLERS[task.name] = (task, handler)
+        return handler
+
+    return register_handler
+
+
+def load_families() -> None:
+    """Import every family (see the module docstring) that is not imported yet."""
+    built_in = importlib.import_module(BUILT_IN)
+    names = [f"{BUILT_IN}.{m.name}" for m in pkgutil.iter_modules(built_in.__path__)
+             if m.ispkg and m.name not in SHARED_PACKAGES]
+    for name in names:
+        _load(name, "")
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        _load(point.value, f"entry point {point.name!r} of group {ENTRY_POINT_GROUP!r}")
+    for name in filter(None, (n.strip() for n in os.environ.get(FAMILIES_VARIABLE, "").split(","))):
+        _load(name, f"environment variable {FAMILIES_VARIABLE}")
+
+
+def _load(module: str, named_by: str) -> None:
+    if module in _loaded:
+        return
+    try:
+        importlib.import_module(module.split(":", 1)[0])
+    except ImportError as err:
+        if not named_by:
+            raise
+        raise FamilyImportError(f"algorithm family {module!r} (named by {named_by}) cannot be imported: {err}") from err
+    _loaded.append(module)
+
+
+def strategies() -> dict[str, type]:
+    """Every registered strategy, by name, sorted by name (whatever order the families loaded in)."""
+    load_families()
+    return dict(sorted(STRATEGIES.items()))
+
+
+def strategy_class(name: str) -> Any:
+    """The strategy registered as ``name`` (KeyError if none)."""
+    return strategies()[name]
+
+
+def handler(task_name: str) -> tuple[Task, Handler] | None:
+    """The (task, handler) registered for ``task_name``, importing the families first if needed."""
+    if task_name not in HANDLERS:
+        load_families()
+    return HANDLERS.get(task_name)
+
+
+def _where(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,106 @@
+"""The package's layout rules (docs/development.md, "Code layout"), checked on the source: no import
+circles, no file over 450 lines, Flower only where it belongs, a strategy's setup holding only the
+algorithm's inputs."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components
+
+from conftest import ROOT
+from fedcluster_flwr.algorithms.base import StrategySetup
+
+PACKAGE = ROOT / "fedcluster_flwr"
+MAX_LINES = 450
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The modules a file imports, anywhere in it (functions included), as absolute names;
+    imports under ``if TYPE_CHECKING:`` are left out (they never run)."""
+    tree = ast.parse(path.read_text())
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+               and ast.unparse(block.test) == "TYPE_CHECKING" for node in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}  # `from . import tasks`
+    return found
+
+
+def import_edges() -> tuple[list[str], set[tuple[str, str]]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {(name, target) for name, path in modules.items() for target in imported_modules(path)
+             if target in modules and target != name
+             # A package's __init__ that re-exports its modules is the package, not a circle with them.
+             and not target.startswith(name + ".")}
+    return sorted(modules), edges
+
+
+def test_no_import_circles():
+    names, edges = import_edges()
+    index = {name: k for k, name in enumerate(names)}
+    rows, cols = zip(*((index[a], index[b]) for a, b in edges))
+    graph = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(names), len(names)))
+    _, labels = connected_components(graph, directed=True, connection="strong")
+    circles = [sorted(n for n, label in zip(names, labels) if label == c) for c in set(labels)]
+    circles = [c for c in circles if len(c) > 1]
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_file_is_over_450_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+FLOWER_FREE = [
+    "fedcluster_flwr/training.py", "fedcluster_flwr/aggregation.py", "fedcluster_flwr/clustering.py",
+    "fedcluster_flwr/l1_kernel.py", "fedcluster_flwr/features.py", "fedcluster_flwr/models.py",
+    "fedcluster_flwr/registry.py", "fedcluster_flwr/types.py",
+    "fedcluster_flwr/engines/stacked.py", "fedcluster_flwr/engines/batched.py",
+    *sorted(str(p.relative_to(ROOT)) for p in PACKAGE.glob("algorithms/*/math.py")),
+    *sorted(str(p.relative_to(ROOT)) for p in PACKAGE.glob("algorithms/*/tasks.py")),
+    "fedcluster_flwr/algorithms/base/selection.py",
+]
+
+
+@pytest.mark.parametrize("path", FLOWER_FREE)
+def test_paper_math_training_aggregation_clustering_and_the_batched_engine_import_no_flwr(path):
+    assert not {m for m in imported_modules(ROOT / path) if m.split(".")[0] == "flwr"}
+
+
+def test_a_strategy_setup_holds_only_the_algorithms_inputs():
+    fields = {f.name for f in dataclasses.fields(StrategySetup)}
+    run_infrastructure = {"recorder", "checkpoint_every", "stop_round", "title", "target_accuracy",
+                          "numeric_platform", "wait_for_clients_s", "timeout_s", "join_round"}
+    assert not fields & run_infrastructure
+    assert {"initial_weights", "num_clients", "rounds", "seed"} <= fields
+
+
+def test_no_strategy_writes_files_or_sees_the_round_log():
+    for path in PACKAGE.glob("algorithms/**/*.py"):
+        imported = imported_modules(path)
+        assert "fedcluster_flwr.round_log" not in imported, path
+        assert "fedcluster_flwr.files" not in imported, path
+        if path.name != "plots.py":  # a figure is drawn to the path the results side gives it
+            assert ".write_text(" not in path.read_text() and ".savefig(" not in path.read_text(), path
