@@ -27,7 +27,9 @@ from . import runner
 from .config import ConfigWarning, ExperimentConfig, config_to_dict, keys_set_in, load_config, parse_override
 from .data import DataError
 from .files import atomic_write
-from .results import RoundRow, format_summary, plot_comparison, read_summary, run_dir_name
+from .plots import plot_comparison
+from .recorder import run_dir_name
+from .run_files import RoundRow, format_summary, read_summary
 from .schema import ConfigError, InRegistry, config_keys, lookup
 from .strategies import STRATEGIES
 

@@ -17,14 +17,17 @@ import numpy as np
 import torch
 from flwr.server import ServerAppComponents, ServerConfig
 
+from .checkpoints import load_checkpoint
 from .client import ClientData, ClusterClient, Faults
 from .config import ExperimentConfig, config_to_dict, load_config, parse_override
 from .data import DatasetPool, Partition, cluster_names, load_pool, make_partition
 from .models import build_model, parameter_names
 from .numerics import numeric_platform, pin_portable_numerics
-from .results import RoundRow, RunRecorder, load_checkpoint
+from .recorder import RunRecorder
+from .run_files import RoundRow
 from .schema import ConfigError
 from .strategies import STRATEGIES, StrategySetup
+from .strategies.dac import Gossip
 from .strategies.round_log import resume as resume_strategy
 from .training import TrainSettings, get_weights, use_deterministic_kernels
 
@@ -157,6 +160,13 @@ def run_title(config: ExperimentConfig) -> str:
     return f"{config.strategy.name} on {config.dataset.name} / {config.partition.name} ({config.partition.num_clients} clients)"
 
 
+def strategy_phase_words() -> dict[str, str]:
+    """How the plots' legend words a phase named after a registered strategy where "<name> rounds"
+    (:func:`~fedcluster_flwr.plots.phase_words`' default) would not say it: a gossip strategy's
+    exchange rounds, "dac gossip exchanges"."""
+    return {name: f"{name} gossip exchanges" for name, cls in STRATEGIES.items() if issubclass(cls, Gossip)}
+
+
 def server_components(
     config: ExperimentConfig,
     run_dir: Path,
@@ -172,7 +182,7 @@ def server_components(
     use_configured_numerics(config)
     _, partition = experiment_data(config)
     resolved = config_to_dict(config)
-    recorder = RunRecorder(run_dir, on_round, resolved)
+    recorder = RunRecorder(run_dir, on_round, resolved, phase_words=strategy_phase_words())
     if not resume:
         recorder.start(resolved)
     model = initial_model(config)

@@ -30,7 +30,7 @@ from .engines.batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, 
 from .experiment import client_device, make_client, server_components
 from .numerics import torch_threads
 from .protocol import TASK_KEY
-from .results import RoundRow
+from .run_files import RoundRow
 from .strategies import StrategySetup
 
 

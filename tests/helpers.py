@@ -33,7 +33,7 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.config import config_to_dict, load_config
 from fedcluster_flwr.protocol import ACCURACY, LAYOUT_KEY, MODELS, TASK_KEY
-from fedcluster_flwr.results import RunRecorder
+from fedcluster_flwr.recorder import RunRecorder
 from fedcluster_flwr.strategies import StrategySetup
 from fedcluster_flwr.strategies.core import ClusteredStrategy
 from fedcluster_flwr.strategies.messages import Instruction

@@ -14,12 +14,12 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from helpers import assert_same_state, rows_without_timing
 from fedcluster_flwr import client as client_module
+from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.client import TaskInput, TaskOutput
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.inprocess import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
-from fedcluster_flwr.results import load_checkpoint
 from fedcluster_flwr.schema import ConfigError, at_least, from_mapping, option
 from fedcluster_flwr.strategies import HOOKS, ClusteredStrategy, Instruction, Reply
 from fedcluster_flwr.strategies.round_log import resume

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flwr.server.client_manager import SimpleClientManager
 
-from fedcluster_flwr.results import RunRecorder, load_checkpoint
+from fedcluster_flwr.checkpoints import load_checkpoint
+from fedcluster_flwr.recorder import RunRecorder
 from fedcluster_flwr.strategies.round_log import resume
 from fedcluster_flwr.strategies import FederationError
 from fedcluster_flwr.protocol import ACCURACY, TASK_KEY, TRAIN_LOSS

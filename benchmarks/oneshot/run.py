@@ -43,7 +43,7 @@ from fedcluster_flwr.clustering import (
 )
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.experiment import experiment_data, make_client
-from fedcluster_flwr.results import read_rounds
+from fedcluster_flwr.run_files import read_rounds
 from fedcluster_flwr.tasks.oneshot import (
     EIGENVALUES,
     EIGENVECTORS,

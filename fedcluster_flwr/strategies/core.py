@@ -53,7 +53,7 @@ from .. import protocol
 from ..aggregation import weighted_mean
 from ..models import parameters_with_prefixes
 from ..protocol import MODEL, MODELS, TRAIN, ModelSpec
-from ..results import RunRecorder
+from ..recorder import RunRecorder
 from ..tasks.selection import SELECT, SELECTED, TRAIN_SELECT
 from .directory import ClientDirectory
 from .messages import Instruction, Reply, RoundMessages, parameters_nbytes

@@ -62,7 +62,7 @@ from ..clustering import cluster_square
 from ..protocol import MODELS, TRAIN
 from ..tasks import gossip
 from ..tasks.gossip import GOSSIP_TRAIN
-from ..results import plot_client_matrix
+from ..plots import plot_client_matrix
 from ..schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from .core import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import SHARE_OF_CLIENTS

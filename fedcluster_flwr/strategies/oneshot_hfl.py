@@ -53,7 +53,7 @@ from ..models import model_outline, parameter_names, parameters_with_prefixes
 from ..protocol import MODEL
 from ..tasks import oneshot
 from ..tasks.oneshot import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
-from ..results import plot_client_matrix
+from ..plots import plot_client_matrix
 from ..schema import AtMostOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
 from .core import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from .options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS

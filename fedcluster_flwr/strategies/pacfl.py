@@ -56,7 +56,7 @@ from ..clustering import (
     within_and_across,
 )
 from ..features import feature_dim
-from ..results import plot_client_matrix
+from ..plots import plot_client_matrix
 from ..schema import AtMostOne, above, at_least, option, require
 from ..tasks import oneshot
 from ..tasks.oneshot import EIGENVECTORS, GRAM_EIGEN

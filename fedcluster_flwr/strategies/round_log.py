@@ -23,7 +23,7 @@ import numpy as np
 from flwr.common import log
 
 from ..clustering import cluster_scores
-from ..results import RunRecorder
+from ..recorder import RunRecorder
 from .directory import UNKNOWN_CLUSTER
 
 if TYPE_CHECKING:
