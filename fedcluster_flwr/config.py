@@ -28,6 +28,7 @@ import yaml
 from .data.datasets import DATASETS
 from .data.partitions import PARTITIONERS, group_count
 from .models import MODELS, RENAMED as RENAMED_MODELS
+from .options_builder import check_in_experiment, from_mapping, to_plain
 from .schema import (
     REQUIRED,
     ConfigError,
@@ -38,15 +39,12 @@ from .schema import (
     Interval,
     above,
     at_least,
-    check_in_experiment,
     config_key,
     config_keys,
     describe,
-    from_mapping,
     join_key,
     option,
     require,
-    to_plain,
     unknown_key_message,
 )
 from .strategies import STRATEGIES

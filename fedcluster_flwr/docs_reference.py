@@ -41,6 +41,7 @@ from .config import (
     SimulationConfig,
 )
 from .data.partitions import PARTITIONERS
+from .options_builder import type_name
 from .schema import (
     CONSTRAINTS,
     NOTE,
@@ -59,7 +60,6 @@ from .schema import (
     as_yaml,
     config_key,
     declared_rules,
-    type_name,
 )
 from .strategies import STRATEGIES
 

@@ -21,7 +21,8 @@ from fedcluster_flwr.data.partitions import (
     PathologicalOptions,
     RotationOptions,
 )
-from fedcluster_flwr.schema import ConfigError, from_mapping
+from fedcluster_flwr.options_builder import from_mapping
+from fedcluster_flwr.schema import ConfigError
 
 NUM_CLASSES = 10
 TEST_FRACTION = 0.2
