@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .config import ConfigWarning, ExperimentConfig, config_to_dict, keys_set_in, load_config, parse_override
+from .config import ConfigWarning, config_to_dict, keys_set_in, load_config, parse_override
+from .config_sections import ExperimentConfig
 from .data import DataError
 from .files import atomic_write
 from .plots import plot_comparison

@@ -19,7 +19,8 @@ from flwr.server import ServerAppComponents, ServerConfig
 
 from .checkpoints import load_checkpoint
 from .client import ClientData, ClusterClient, Faults
-from .config import ExperimentConfig, config_to_dict, load_config, parse_override
+from .config import config_to_dict, load_config, parse_override
+from .config_sections import ExperimentConfig
 from .data import DatasetPool, Partition, cluster_names, load_pool, make_partition
 from .models import build_model, parameter_names
 from .numerics import numeric_platform, pin_portable_numerics

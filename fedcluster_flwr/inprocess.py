@@ -25,7 +25,7 @@ from flwr.common import Code
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from .config import ExperimentConfig
+from .config_sections import ExperimentConfig
 from .engines.batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
 from .experiment import client_device, make_client, server_components
 from .numerics import torch_threads

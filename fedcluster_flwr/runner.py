@@ -42,7 +42,8 @@ from typing import Any, Protocol
 import yaml
 
 from .checkpoints import check_resumable, checkpoint_array_shape, checkpoint_round
-from .config import ExperimentConfig, config_to_dict, load_config, parse_override
+from .config import config_to_dict, load_config, parse_override
+from .config_sections import ExperimentConfig
 from .engine import Job, check_ray_address, encode_job
 from .files import atomic_write
 from .recorder import branch_run

@@ -25,7 +25,8 @@ from flwr.common.logger import FLOWER_LOGGER
 from flwr.server import ServerAppComponents
 from flwr.serverapp import ServerApp
 
-from .config import ConfigWarning, ExperimentConfig, SimulationConfig
+from .config import ConfigWarning
+from .config_sections import ExperimentConfig, SimulationConfig
 from .data import DataError
 from .experiment import config_from_run_config, run_config_notes, server_components
 from .recorder import run_dir_name
