@@ -28,7 +28,8 @@ from typing import Any
 import yaml
 
 from .config_sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, StrategyConfig
-from .data.partitions import PARTITIONERS, group_count
+from .data.partition_options import group_count
+from .data.partitions import PARTITIONERS
 from .models import MODELS
 from .options_builder import check_in_experiment, from_mapping, to_plain
 from .schema import ConfigError, InRegistry, config_key, config_keys, describe, require, unknown_key_message

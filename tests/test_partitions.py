@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedcluster_flwr.data import PARTITIONERS, ClientTransform, load_pool, make_partition
-from fedcluster_flwr.data.partitions import (
+from fedcluster_flwr.data.partition_options import (
     ClassSubsetsOptions,
     DirichletOptions,
     IidOptions,
