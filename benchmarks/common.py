@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcluster_flwr.config import ExperimentConfig
+from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.runner import run_experiment
 

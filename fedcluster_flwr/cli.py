@@ -24,10 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .config import ConfigWarning, ExperimentConfig, config_to_dict, keys_set_in, load_config, parse_override
+from .config import ConfigWarning, config_to_dict, keys_set_in, load_config, parse_override
+from .config_sections import ExperimentConfig
 from .data import DataError
 from .files import atomic_write
-from .results import RoundRow, format_summary, plot_comparison, read_summary, run_dir_name
+from .plots import plot_comparison
+from .recorder import run_dir_name
+from .run_files import RoundRow, format_summary, read_summary
 from .schema import ConfigError, InRegistry, config_keys, lookup
 from .registry import strategies
 

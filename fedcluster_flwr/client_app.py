@@ -16,7 +16,7 @@ from flwr.common import NDArrays, Scalar
 from flwr.clientapp import ClientApp
 
 from . import protocol
-from .config import ExperimentConfig
+from .config_sections import ExperimentConfig
 from .data.device import FolderSource, make_device_client, node_data_source
 from .experiment import config_from_run_config, make_client
 

@@ -196,7 +196,7 @@ class ClusteringRecord:
         """The dendrogram figure (leaves ``client:true cluster``), drawn when called with a path, with
         its cut: ``threshold`` where the clustering used one, else the height that leaves the clusters
         found (a cut by number of clusters or by silhouette has no threshold of its own)."""
-        from .results import plot_dendrogram
+        from .plots import plot_dendrogram
 
         labels = [f"{p}:{true_clusters[p]}" for p in self.pids]
         return functools.partial(plot_dendrogram, self.linkage, labels, threshold, title=title,

@@ -1,7 +1,7 @@
 """Generate the docs' reference pages from what the code declares, so that they cannot drift.
 
 * ``docs/reference/config.md``: every config key with its type, default and constraint, read from
-  the config dataclasses (``config.py``), their ``option(...)`` metadata and class ``rules`` /
+  the config dataclasses (``config_sections.py``), their ``option(...)`` metadata and class ``rules`` /
   ``experiment_rules`` (``schema.py``), and each partitioner's and strategy's options dataclass;
   the description is the comment written beside (or just above) the field in the source.
 * ``docs/reference/cli.md``: every ``fedcluster`` command and argument, read from
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .config import (
+from .config_sections import (
     ClientConfig,
     DatasetConfig,
     ExperimentConfig,
@@ -41,6 +41,7 @@ from .config import (
     SimulationConfig,
 )
 from .data.partitions import PARTITIONERS
+from .options_builder import type_name
 from .schema import (
     CONSTRAINTS,
     NOTE,
@@ -59,7 +60,6 @@ from .schema import (
     as_yaml,
     config_key,
     declared_rules,
-    type_name,
 )
 from .registry import strategies
 
@@ -247,7 +247,7 @@ def config_page() -> str:
         GENERATED,
         "",
         "Every key of an experiment YAML, with its type, its default and what a valid value is, as the",
-        "code declares them (`fedcluster_flwr/config.py`, `fedcluster_flwr/schema.py`, each partitioner's",
+        "code declares them (`fedcluster_flwr/config_sections.py`, `fedcluster_flwr/schema.py`, each partitioner's",
         "and strategy's options dataclass). A value outside its constraint stops the run with one `error:`",
         "line naming the key. How the file and `--set` overrides work: [Configuration](configuration.md).",
         "",

@@ -17,15 +17,18 @@ import numpy as np
 import torch
 from flwr.server import ServerAppComponents, ServerConfig
 
+from .checkpoints import load_checkpoint
 from .client import ClientData, ClusterClient, Faults
-from .config import ExperimentConfig, config_to_dict, load_config, parse_override
+from .config import config_to_dict, load_config, parse_override
+from .config_sections import ExperimentConfig
 from .data import DatasetPool, Partition, cluster_names, load_pool, make_partition
 from .models import build_model, parameter_names
 from .numerics import numeric_platform, pin_portable_numerics
-from .results import RoundRow, RunRecorder, load_checkpoint
+from .recorder import RunRecorder
+from .run_files import RoundRow
 from .schema import ConfigError
 from .algorithms.base import StrategySetup
-from .registry import strategy_class
+from .registry import strategies, strategy_class
 from .algorithms.base.directory import Federation
 from .round_log import RoundLog, resume as resume_strategy
 from .training import TrainSettings, get_weights, use_deterministic_kernels
@@ -159,6 +162,13 @@ def run_title(config: ExperimentConfig) -> str:
     return f"{config.strategy.name} on {config.dataset.name} / {config.partition.name} ({config.partition.num_clients} clients)"
 
 
+def strategy_phase_words() -> dict[str, str]:
+    """How the plots' legend words a phase named after a registered strategy where "<name> rounds"
+    (:func:`~fedcluster_flwr.plots.phase_words`' default) would not say it: a gossip strategy's
+    exchange rounds, "dac gossip exchanges"."""
+    return {name: f"{name} {cls.round_word}" for name, cls in strategies().items() if cls.round_word != "rounds"}
+
+
 def server_components(
     config: ExperimentConfig,
     run_dir: Path,
@@ -174,7 +184,7 @@ def server_components(
     use_configured_numerics(config)
     _, partition = experiment_data(config)
     resolved = config_to_dict(config)
-    recorder = RunRecorder(run_dir, on_round, resolved)
+    recorder = RunRecorder(run_dir, on_round, resolved, phase_words=strategy_phase_words())
     if not resume:
         recorder.start(resolved)
     model = initial_model(config)

@@ -1,13 +1,16 @@
 """Writing result files: whole or not at all, readable by whoever the umask allows.
 
-Below the results, the tracker and the runner (each writes run files), and importing none of them.
+Below the recorder, the checkpoints, the tracker and the runner (each writes run files), and importing none of them.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any
 
 
 def mkstemp_public(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
@@ -24,11 +27,19 @@ def mkstemp_public(folder: Path, prefix: str, suffix: str = "") -> tuple[int, st
     raise FileExistsError(f"no free temporary name for {prefix}*{suffix} in {folder}")
 
 
+@contextmanager
+def written_aside(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A handle (``mode`` "w" or "wb") on a new file beside ``path`` (in its folder, which must
+    exist), renamed to ``path`` once the block ends without an error: ``path`` holds what the
+    block wrote or its former content, never a part. For writers that stream (``np.save``)."""
+    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, mode) as handle:
+        yield handle
+    os.replace(tmp, path)
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
     """``path`` holds ``data`` or its former content, never a part: written aside, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, mode) as handle:
+    with written_aside(path, "wb" if isinstance(data, bytes) else "w") as handle:
         handle.write(data)
-    os.replace(tmp, path)

@@ -41,18 +41,13 @@ from typing import Any, Protocol
 
 import yaml
 
-from .config import ExperimentConfig, config_to_dict, load_config, parse_override
+from .checkpoints import check_resumable, checkpoint_array_shape, checkpoint_round
+from .config import config_to_dict, load_config, parse_override
+from .config_sections import ExperimentConfig
 from .engines.simulation import Job, check_ray_address, encode_job
 from .files import atomic_write
-from .results import (
-    DamagedRunError,
-    RoundRow,
-    branch_run,
-    check_resumable,
-    checkpoint_array_shape,
-    read_rounds,
-    read_summary,
-)
+from .recorder import branch_run
+from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
 from .schema import ConfigError, require
 from .tracking import check_tracking
 
@@ -129,14 +124,6 @@ class Interrupted(Exception):
     def exit_code(self) -> int:
         """The shell's convention for a process ended by a signal: 130 for SIGINT, 143 for SIGTERM."""
         return 128 + self.signum
-
-
-def checkpoint_round(run_dir: Path) -> int | None:
-    """The round of ``run_dir``'s checkpoint, or None if it has none that can be read."""
-    try:
-        return int(json.loads((run_dir / "checkpoint" / "state.json").read_text())["round"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def stop_message(why: str, run_dir: Path) -> str:

@@ -1,12 +1,8 @@
-"""Build frozen dataclasses from plain mappings, with errors that name the key.
+"""What a valid option is, declared next to its field, and the error that names the key.
 
-Every user-facing option of fedcluster is a field of a frozen dataclass. This module
-turns the nested dicts read from YAML (plus overrides) into those dataclasses and
-reports the first problem as a :class:`ConfigError` that says which dotted key is
-wrong, what was expected and what was given.
-
-What a valid value is, is declared next to the field rather than checked by hand
-(see "declared constraints" below):
+Every user-facing option of fedcluster is a field of a frozen dataclass, and what a valid value
+is, is declared rather than checked by hand (:mod:`fedcluster_flwr.options_builder` builds the
+dataclasses from the YAML's mappings and runs these declarations):
 
 * the type: ``Literal`` for a choice, ``X | None`` where null is allowed;
 * per field, constraints: ``client_fraction: float = option(0.1, Interval(0, 1, closed="right"))``;
@@ -16,7 +12,8 @@ What a valid value is, is declared next to the field rather than checked by hand
   ``NoMoreThan("num_clusters", "partition.num_clients")``, checked once every section is built.
 
 A check that genuinely needs code stays a ``validate(prefix)`` / ``check_experiment(config,
-prefix)`` method; it runs after the declared ones, so it may rely on them.
+prefix)`` method; it runs after the declared ones, so it may rely on them. A mistake is a
+:class:`ConfigError` that says which dotted key is wrong, what was expected and what was given.
 """
 
 from __future__ import annotations
@@ -24,13 +21,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import types
-import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, TypeVar, Union
-
-T = TypeVar("T")
+from typing import Any, ClassVar, Literal, Protocol
 
 
 class ConfigError(ValueError):
@@ -95,123 +88,6 @@ def option_key(options: Any, name: str, prefix: str = "") -> str:
     """The dotted key of field ``name`` of ``options`` (its YAML key, under ``prefix``)."""
     field = next(f for f in dataclasses.fields(options) if f.name == name)
     return join_key(prefix, config_key(field))
-
-
-def from_mapping(
-    cls: type[T], data: Mapping[str, Any] | None, prefix: str = "", *, built: Mapping[str, Any] | None = None
-) -> T:
-    """Build dataclass ``cls`` from ``data``, checking keys, value types and declared constraints.
-
-    Missing keys take the field's default; unknown keys, wrong types and values outside a
-    ``Literal`` are errors. ``built`` holds fields the caller built itself (a section's own
-    options dataclass), taken as they are. The built instance is then checked by
-    :func:`check_declared` under ``prefix``.
-    """
-    data = {} if data is None else data
-    built = {} if built is None else built
-    if not isinstance(data, Mapping):
-        raise ConfigError(prefix, f"expected a mapping of keys, got {describe(data)}")
-    hints = typing.get_type_hints(cls)
-    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
-    for key in data:
-        if key not in fields:
-            raise ConfigError(join_key(prefix, str(key)), unknown_key_message(str(key), list(fields)))
-    values: dict[str, Any] = {}
-    for name, field in fields.items():
-        key = join_key(prefix, name)
-        if field.name in built:
-            values[field.name] = built[field.name]
-        elif name in data:
-            values[field.name] = coerce(data[name], hints[field.name], key)
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ConfigError(key, "is required")
-    instance = cls(**values)
-    check_declared(instance, prefix)
-    return instance
-
-
-def to_plain(value: Any) -> Any:
-    """Dataclasses and tuples to dicts and lists, for YAML/JSON output."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {config_key(f): to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [to_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: to_plain(v) for k, v in value.items()}
-    return value
-
-
-def type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if hint is type(None):
-        return "null"
-    if origin in (Union, types.UnionType):
-        return " or ".join(type_name(a) for a in typing.get_args(hint))
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(hint))
-    if origin in (tuple, list):
-        args = typing.get_args(hint)
-        return f"a list of {type_name(args[0])}" if args else "a list"
-    if origin is dict:
-        k, v = typing.get_args(hint)
-        return f"a mapping of {type_name(k)} to {type_name(v)}"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        hint, getattr(hint, "__name__", str(hint))
-    )
-
-
-def coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check ``value`` against type ``hint``; lists become tuples (hashable configs)."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return coerce(value, arg, key)
-            except ConfigError:
-                continue
-        raise ConfigError(key, f"expected {type_name(hint)}, got {describe(value)}")
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ConfigError(
-                key, f"expected one of {', '.join(map(str, choices))}; got {describe(value)}"
-            )
-        return value
-    if origin is tuple:
-        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(key, f"expected {type_name(hint)}, got {describe(value)}")
-        return tuple(coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        key_type, value_type = typing.get_args(hint)
-        if not isinstance(value, Mapping):
-            raise ConfigError(key, f"expected {type_name(hint)}, got {describe(value)}")
-        return {
-            coerce(k, key_type, f"{key}.{k}"): coerce(v, value_type, f"{key}.{k}")
-            for k, v in value.items()
-        }
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(key, f"expected true or false, got {describe(value)}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, f"expected an integer, got {describe(value)}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(key, f"expected a number, got {describe(value)}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(key, f"expected a string, got {describe(value)}")
-        return value
-    if dataclasses.is_dataclass(hint):
-        return from_mapping(hint, value, key)
-    raise TypeError(f"unsupported config type {hint!r} for {key}")  # programming error
 
 
 # ---- declared constraints ----------------------------------------------------------------
@@ -534,32 +410,3 @@ def declared_rules(cls: type, attribute: str) -> list[Rule]:
     """The rules ``cls`` and its bases declare in class attribute ``attribute``, bases first: a
     subclass's options obey its parents' rules too."""
     return [rule for klass in reversed(cls.__mro__) for rule in vars(klass).get(attribute, ())]
-
-
-def check_declared(options: Any, prefix: str = "") -> None:
-    """Check a built options dataclass against its declarations, in this order: each field's
-    constraints (field order), the class's ``rules``, then its ``validate(prefix)`` method if any."""
-    for field in dataclasses.fields(options):
-        value = getattr(options, field.name)
-        if value is None:
-            continue
-        for constraint in field.metadata.get(CONSTRAINTS, ()):
-            problem = constraint.violation(value)
-            if problem is not None:
-                note = field.metadata.get(NOTE)
-                raise ConfigError(join_key(prefix, config_key(field)), f"{problem} ({note})" if note else problem)
-    for rule in declared_rules(type(options), "rules"):
-        rule.check(options, prefix, options)
-    validate = getattr(options, "validate", None)
-    if callable(validate):
-        validate(prefix)
-
-
-def check_in_experiment(options: Any, config: Any, prefix: str) -> None:
-    """Check the options of section ``prefix`` against the whole experiment ``config``: the class's
-    ``experiment_rules``, then its ``check_experiment(config, prefix)`` method if any."""
-    for rule in declared_rules(type(options), "experiment_rules"):
-        rule.check(options, prefix, config)
-    check = getattr(options, "check_experiment", None)
-    if callable(check):
-        check(config, prefix)

@@ -25,10 +25,12 @@ from flwr.common.logger import FLOWER_LOGGER
 from flwr.server import ServerAppComponents
 from flwr.serverapp import ServerApp
 
-from .config import ConfigWarning, ExperimentConfig, SimulationConfig
+from .config import ConfigWarning
+from .config_sections import ExperimentConfig, SimulationConfig
 from .data import DataError
 from .experiment import config_from_run_config, run_config_notes, server_components
-from .results import RoundRow, format_summary, read_summary, run_dir_name
+from .recorder import run_dir_name
+from .run_files import RoundRow, format_summary, read_summary
 from .schema import ConfigError
 
 FLWR_RUN_OUTPUT_ROOT = Path.home() / "fedcluster"

@@ -1,5 +1,5 @@
 """Experiment tracking (``tracking: tensorboard | mlflow | none``): each round's numeric results and
-the final summary, sent to TensorBoard or MLflow as :class:`~fedcluster_flwr.results.RunRecorder`
+the final summary, sent to TensorBoard or MLflow as :class:`~fedcluster_flwr.recorder.RunRecorder`
 records them, so every engine and ``flwr run`` track alike; strategies know nothing of it.
 
 What is logged: every numeric field of a ``rounds.jsonl`` row at step = the round (nested ones by

@@ -36,7 +36,7 @@ from fedcluster_flwr.config import config_to_dict, load_config
 from fedcluster_flwr.protocol import ACCURACY, LAYOUT_KEY, MODELS, TASK_KEY
 from fedcluster_flwr.algorithms.base.directory import Federation
 from fedcluster_flwr.engines.inprocess import play_round
-from fedcluster_flwr.results import RunRecorder
+from fedcluster_flwr.recorder import RunRecorder
 from fedcluster_flwr.round_log import RoundLog
 from fedcluster_flwr.algorithms.base import StrategySetup
 from fedcluster_flwr.algorithms.base.strategy import ClusteredStrategy

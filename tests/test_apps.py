@@ -11,12 +11,12 @@ from flwr.common.logger import FLOWER_LOGGER
 from ray import cloudpickle
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.results import format_summary
+from fedcluster_flwr.run_files import format_summary
 from fedcluster_flwr.client_app import ExperimentClientApp, make_client_fn
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import config_from_run_config
 from fedcluster_flwr.engines.inprocess import InProcessProxy
-from fedcluster_flwr.results import read_summary
+from fedcluster_flwr.run_files import read_summary
 from fedcluster_flwr.server_app import (
     FLWR_RUN_LOG_FILTER,
     FLWR_RUN_OUTPUT_ROOT,

@@ -132,7 +132,7 @@ def write(relative: str, text: str) -> Callable[[Path], None]:
 def checkpoint_of_another_run(tmp: Path) -> None:
     """This run's checkpoint replaced by another run's (10 clients, other rows), each checkpoint
     carrying the digest of its round's row as a run writes it."""
-    from fedcluster_flwr.results import ROW_DIGEST, row_digest
+    from fedcluster_flwr.checkpoints import ROW_DIGEST, row_digest
 
     run, other = a_run(tmp), a_run(tmp / "other", clients=10)
     for folder, seconds in ((run, 1.5), (other, 2.5)):
@@ -425,7 +425,7 @@ def test_there_are_at_least_25_cases_and_the_docs_table_lists_each_with_its_mess
 def test_a_last_row_cut_short_by_a_kill_is_not_a_damaged_log(tmp_path):
     """A run killed while appending a round's row leaves half a line; that round is redone on resume,
     so the plan goes ahead (a garbled line before the end is refused: see the cases)."""
-    from fedcluster_flwr.results import read_rounds
+    from fedcluster_flwr.run_files import read_rounds
     from fedcluster_flwr.runner import plan_continuation
 
     run = a_run(tmp_path)

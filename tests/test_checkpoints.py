@@ -19,7 +19,7 @@ from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.engines.inprocess import run_in_process
-from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.checkpoints import load_checkpoint
 
 STOP_AFTER = {
     "oneshot_hfl": 1,  # inside the one-shot phase: eigen-summaries in, relevance rows not yet
@@ -68,7 +68,7 @@ def test_result_files_get_the_mode_the_umask_gives_not_mkstemps_0600(tmp_path, u
     import stat
 
     from fedcluster_flwr.files import atomic_write
-    from fedcluster_flwr.results import RunRecorder
+    from fedcluster_flwr.recorder import RunRecorder
 
     previous = os.umask(umask)
     try:

@@ -416,8 +416,8 @@ def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_p
     cluster, each block labelled with its name and size, at 12 clients as at 1,000."""
     import matplotlib.image
 
-    from fedcluster_flwr.data.partitions import RotationOptions, cluster_names
-    from fedcluster_flwr.results import plot_client_matrix
+    from fedcluster_flwr.data.partition_options import RotationOptions, cluster_names
+    from fedcluster_flwr.plots import plot_client_matrix
 
     names = cluster_names(RotationOptions(angles=(0.0, 180.0, 10.0, 350.0)), 4)
     assert names == ("0°", "180°", "10°", "350°")
@@ -438,7 +438,7 @@ def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_p
 
 
 def test_the_relays_state_survives_a_checkpoint(tmp_path):
-    from fedcluster_flwr.results import load_checkpoint
+    from fedcluster_flwr.checkpoints import load_checkpoint
     from fedcluster_flwr.round_log import resume
 
     for cls, options in ((DAC, DACOptions(num_neighbours=2, two_hop_estimate="reference")),

@@ -14,7 +14,7 @@ import torch
 
 from fedcluster_flwr.data import ClientTransform, DataError, load_pool, make_partition, resolve_data_dir
 from fedcluster_flwr.data.datasets import DATA_DIR_ENV, _load_pool
-from fedcluster_flwr.data.partitions import NaturalOptions
+from fedcluster_flwr.data.partition_options import NaturalOptions
 from helpers import CIFAR_BATCHES, write_cifar
 
 # ---- digits ------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_rotation_fill_is_the_same_for_multiples_of_90_degrees(digits):
 
 
 def test_rotation_partition_passes_its_fill_to_every_client(digits):
-    from fedcluster_flwr.data.partitions import RotationOptions
+    from fedcluster_flwr.data.partition_options import RotationOptions
 
     for fill in ("normalized_zero", "black"):
         part = make_partition(

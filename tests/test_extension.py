@@ -19,8 +19,9 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
-from fedcluster_flwr.results import load_checkpoint
-from fedcluster_flwr.schema import ConfigError, at_least, from_mapping, option
+from fedcluster_flwr.checkpoints import load_checkpoint
+from fedcluster_flwr.options_builder import from_mapping
+from fedcluster_flwr.schema import ConfigError, at_least, option
 from fedcluster_flwr.algorithms.base import HOOKS, ClusteredStrategy, Instruction, Reply
 from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.training import evaluate

@@ -16,7 +16,7 @@ from fedcluster_flwr.clustering import purity
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
 from fedcluster_flwr.protocol import MODELS, TRAIN
-from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED

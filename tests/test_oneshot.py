@@ -375,7 +375,7 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
 
 
 def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
-    from fedcluster_flwr.results import load_checkpoint
+    from fedcluster_flwr.checkpoints import load_checkpoint
     from fedcluster_flwr.round_log import resume
 
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)

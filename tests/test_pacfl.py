@@ -198,7 +198,7 @@ def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_pat
 
 
 def test_an_interrupted_run_resumes_with_its_bases_and_places_newcomers_alike(tmp_path):
-    from fedcluster_flwr.results import load_checkpoint
+    from fedcluster_flwr.checkpoints import load_checkpoint
     from fedcluster_flwr.round_log import resume
 
     strategy, manager = pacfl_strategy(tmp_path), client_manager(6)

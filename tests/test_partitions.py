@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedcluster_flwr.data import PARTITIONERS, ClientTransform, load_pool, make_partition
-from fedcluster_flwr.data.partitions import (
+from fedcluster_flwr.data.partition_options import (
     ClassSubsetsOptions,
     DirichletOptions,
     IidOptions,
@@ -21,7 +21,8 @@ from fedcluster_flwr.data.partitions import (
     PathologicalOptions,
     RotationOptions,
 )
-from fedcluster_flwr.schema import ConfigError, from_mapping
+from fedcluster_flwr.options_builder import from_mapping
+from fedcluster_flwr.schema import ConfigError
 
 NUM_CLASSES = 10
 TEST_FRACTION = 0.2

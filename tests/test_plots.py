@@ -22,7 +22,8 @@ from scipy.cluster.hierarchy import fcluster
 from conftest import ROOT
 from fedcluster_flwr import cli
 from fedcluster_flwr.clustering import ClusteringRecord, hierarchical_clustering
-from fedcluster_flwr.results import phase_words, plot_client_matrix, plot_comparison, plot_dendrogram, plot_rounds
+from fedcluster_flwr.experiment import strategy_phase_words
+from fedcluster_flwr.plots import phase_words, plot_client_matrix, plot_comparison, plot_dendrogram, plot_rounds
 
 matplotlib.use("Agg")
 
@@ -134,10 +135,23 @@ def test_the_gossip_legend_says_that_pretraining_ends_and_the_gossip_begins(draw
     """DAC's round 2 was "round 2: dac": a strategy's name, not what changed."""
     rows = [{"round": r, "phase": "pretrain" if r == 1 else "dac", "mean_client_accuracy": 0.3 + 0.05 * r,
              "pct_clients_over_target": 0.0} for r in range(1, 5)]
-    plot_rounds(rows, tmp_path, 0.9, "dac on fmnist")
+    plot_rounds(rows, tmp_path, 0.9, "dac on fmnist", phase_words=strategy_phase_words())
     labels = [t.get_text() for t in drawn["accuracy.png"].axes[0].get_legend().get_texts()]
     assert "round 2: local pretraining → dac gossip exchanges" in labels
-    assert phase_words("ifca") == "ifca rounds" and phase_words("no_such_phase") == "no_such_phase"
+    assert phase_words("ifca") == "ifca rounds" and phase_words("no_such_phase") == "no_such_phase rounds"
+    assert phase_words("pretrain", {"pretrain": "other"}) == "local pretraining"  # the shared phases' words stay
+
+
+def test_a_run_words_the_gossip_strategies_phases_as_gossip_exchanges():
+    """The words a run's recorder gets (experiment.server_components): every gossip strategy's
+    exchange rounds, and only theirs; the plots know no strategy."""
+    from fedcluster_flwr.algorithms.dac.strategy import Gossip
+    from fedcluster_flwr.registry import strategies
+
+    words = strategy_phase_words()
+    assert words["dac"] == "dac gossip exchanges" and words["random_gossip"] == "random_gossip gossip exchanges"
+    assert set(words) == {name for name, cls in strategies().items() if issubclass(cls, Gossip)}
+    assert phase_words("ifca", words) == "ifca rounds"
 
 
 # ---- client-matrix heat maps ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Literal
 
 import pytest
 
+from fedcluster_flwr.options_builder import check_in_experiment, from_mapping
 from fedcluster_flwr.schema import (
     REQUIRED,
     AtMostOne,
@@ -23,8 +24,6 @@ from fedcluster_flwr.schema import (
     RequiredWith,
     above,
     at_least,
-    check_in_experiment,
-    from_mapping,
     option,
 )
 

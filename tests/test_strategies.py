@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.server.client_manager import SimpleClientManager
 
-from fedcluster_flwr.results import load_checkpoint
+from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.algorithms.base import FederationError
 from fedcluster_flwr.protocol import ACCURACY, TASK_KEY, TRAIN_LOSS

@@ -16,7 +16,8 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import tracking
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
 from fedcluster_flwr.engines.inprocess import run_in_process
-from fedcluster_flwr.results import branch_run, read_rounds, read_summary
+from fedcluster_flwr.recorder import branch_run
+from fedcluster_flwr.run_files import read_rounds, read_summary
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.tracking import TRACKING_FILE, numeric_fields
 

@@ -44,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import finished_summary, run_or_reuse, value_at  # noqa: E402
 
 from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noqa: E402
-from fedcluster_flwr.config import ExperimentConfig, config_to_dict, load_config, parse_override  # noqa: E402
+from fedcluster_flwr.config import config_to_dict, load_config, parse_override  # noqa: E402
+from fedcluster_flwr.config_sections import ExperimentConfig  # noqa: E402
 from fedcluster_flwr.schema import ConfigError  # noqa: E402
-from fedcluster_flwr.results import read_rounds  # noqa: E402
+from fedcluster_flwr.run_files import read_rounds  # noqa: E402
 from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment  # noqa: E402
 
 BASE, PROBE = "base", "probe"

@@ -1,7 +1,8 @@
 """Datasets (loaded once per process) and partitioners with true cluster ids."""
 
 from .datasets import DATASETS, DataError, DatasetFacts, DatasetPool, load_pool, resolve_data_dir
-from .partitions import PARTITIONERS, ClientTransform, Partition, cluster_names, make_partition
+from .partition_options import cluster_names
+from .partitions import PARTITIONERS, ClientTransform, Partition, make_partition
 
 __all__ = [
     "DATASETS",

@@ -26,12 +26,12 @@ from flwr.common import Code
 from flwr.server.client_manager import ClientManager, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from ..config import ExperimentConfig
+from ..config_sections import ExperimentConfig
 from .batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
 from ..experiment import client_device, make_client, server_components
 from ..numerics import torch_threads
 from ..protocol import TASK_KEY
-from ..results import RoundRow
+from ..run_files import RoundRow
 from ..algorithms.base import StrategySetup
 
 

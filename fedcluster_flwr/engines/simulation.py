@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..config import ExperimentConfig
+from ..config_sections import ExperimentConfig
 
 LENGTH = struct.Struct("<Q")
 

@@ -60,7 +60,7 @@ from ...clustering import cluster_square
 from ...protocol import MODELS, TRAIN
 from . import tasks as gossip
 from .tasks import GOSSIP_TRAIN
-from ...results import plot_client_matrix
+from ...plots import plot_client_matrix
 from ...schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from ..base.model_selection import ValidatedSelection
 from ..base.strategy import Artifacts, Instruction, Reply, StrategySetup

@@ -52,7 +52,7 @@ from ...models import model_outline, parameter_names, parameters_with_prefixes
 from ...protocol import MODEL
 from . import tasks as oneshot
 from .tasks import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
-from ...results import plot_client_matrix
+from ...plots import plot_client_matrix
 from ...schema import AtMostOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS

@@ -1,0 +1,183 @@
+"""The experiment config's sections, declared: each YAML key as a dataclass field with its type,
+default and constraints (:mod:`fedcluster_flwr.schema`), and the whole config
+(:class:`ExperimentConfig`).
+
+``partition`` and ``strategy`` hold, besides their own keys, the options dataclass of the
+partitioner / strategy they name; :mod:`fedcluster_flwr.config` reads the YAML and overrides
+into these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .data.datasets import DATASETS
+from .models import MODELS, RENAMED as RENAMED_MODELS
+from .schema import (
+    REQUIRED,
+    HostPort,
+    InRegistry,
+    Interval,
+    Is,
+    OnlyWith,
+    above,
+    at_least,
+    config_keys,
+    join_key,
+    option,
+    require,
+)
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    name: str = option("digits", InRegistry(DATASETS, "dataset"))
+    data_dir: str | None = None  # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
+    download: bool = False  # let torchvision fetch MNIST/Fashion-MNIST/CIFAR-10 when online
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionConfig:
+    """The ``partition`` section: these keys, plus the options of the partitioner ``name``."""
+
+    name: str
+    num_clients: int = option(10, at_least(1))
+    # null: an equal share of the pool; for class_subsets the largest size every client can get from
+    # its classes; for dirichlet and natural a cap, default none
+    samples_per_client: int | None = option(None, at_least(2))
+    # of each client's samples, held out as its local test split (stratified by label)
+    test_fraction: float = option(0.2, Interval(0, 1, closed="neither"))
+    options: Any  # the partitioner's own options dataclass, built from the section's other keys
+    val_fraction: float = 0.0  # of each client's samples, held out of training for model selection
+
+    def validate(self, prefix: str) -> None:
+        # Its upper bound depends on test_fraction: the two together must leave training samples.
+        require(
+            0.0 <= self.val_fraction < 1.0 - self.test_fraction,
+            join_key(prefix, "val_fraction"),
+            f"must be in [0, 1 - test_fraction) = [0, {1.0 - self.test_fraction:g}), got {self.val_fraction}",
+        )
+
+
+# The section's own keys; the rest belong to the partitioner named.
+PARTITION_COMMON = set(config_keys(PartitionConfig)) - {"options"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS))
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    epochs: int = option(1, at_least(1))
+    batch_size: int = option(32, at_least(1))
+    lr: float = option(0.05, above(0))
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = option(0.0, Interval(0, 1, closed="left"))
+    weight_decay: float = option(0.0, at_least(0))
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: a GPU where the client has one, else the CPU
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    name: str
+    options: Any  # the strategy's own options dataclass
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    # How a round's client tasks execute; the strategy and the results files are the same on all
+    # three (docs/how-to/engines.md). ray: Flower's virtual client engine, one ClientApp call per client.
+    # inprocess: the same calls one after another in one process, no Ray (bit for bit ray's rounds).
+    # batched: inprocess, with the torch work of a round's clients executed together (stacked).
+    engine: Literal["ray", "inprocess", "batched"] = "ray"
+    # batched: memory the stacked clients may take, in GB; null: half the memory free at the start
+    # (on the GPU for client.device cuda, else in RAM, at most 4 GB there).
+    batched_memory_gb: float | None = option(None, above(0))
+    # batched, on a CPU: worker threads (one torch thread each); null: one per core this process may use.
+    batched_workers: int | None = option(None, at_least(1))
+    num_cpus_per_client: float = option(1.0, above(0))  # Ray resources per simulated client
+    num_gpus_per_client: float = option(0.0, at_least(0))  # e.g. 0.25 packs four clients per GPU; client.device auto uses it
+    # Fault injection for robustness studies: partition id -> rounds in which its fit raises.
+    fail_fit: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # Late joiners: partition id -> first round in which the client is online.
+    join_round: dict[int, int] = field(default_factory=dict)
+    # Seconds to wait for a client's reply (fit, evaluate, properties); null waits for Flower's TTL.
+    round_timeout_s: float | None = option(None, above(0))
+    # Deterministic GPU kernels (cuDNN, cuBLAS workspace, torch's deterministic algorithms), so that a
+    # seed fixes a CUDA run as it already fixes a CPU run; no effect on CPU results.
+    deterministic: bool = False
+    # Kernels every x86-64 CPU with AVX2 runs alike (numerics.PORTABLE_NUMERICS), one thread per
+    # process: a seed then fixes a CPU run bit for bit across CPU models and vendors.
+    portable_numerics: bool = False
+    # An existing Ray cluster to run the clients on: its head's HOST:PORT, as `ray start --head`
+    # prints it. null: Ray starts on this machine for this run and ends with it (see
+    # docs/how-to/ray-cluster-gpu.md).
+    ray_address: str | None = option(None, HostPort("10.0.0.1:6379"))
+
+    rules = (
+        OnlyWith("ray_address", Is("engine", "ray"), "only simulation.engine ray runs on a Ray cluster"),
+        OnlyWith("batched_memory_gb", Is("engine", "batched")),
+        OnlyWith("batched_workers", Is("engine", "batched")),
+    )
+
+    def validate(self, prefix: str) -> None:
+        for pid, first in self.join_round.items():
+            require(first >= 1, join_key(prefix, f"join_round.{pid}"), "rounds start at 1")
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Faults injected on the client side for robustness studies: in every round each client,
+    independently and reproducibly (a function of ``seed``, the round and its partition id), fails
+    its fit with probability ``drop_rate`` (it raises: a failure) or sends a model full of NaN with
+    probability ``nan_rate`` (the reply checks reject it). The run goes on without them."""
+
+    drop_rate: float = option(0.0, Interval(0, 1, closed="left"))
+    nan_rate: float = option(0.0, Interval(0, 1, closed="left"))
+    seed: int = option(0, at_least(0))
+
+    def validate(self, prefix: str) -> None:
+        # One uniform draw per client and round decides: [0, drop) drops, [drop, drop + nan) sends NaN.
+        require(
+            self.drop_rate + self.nan_rate < 1.0,
+            join_key(prefix, "nan_rate"),
+            f"drop_rate + nan_rate must be below 1 (some clients must be able to answer), got "
+            f"{self.drop_rate:g} + {self.nan_rate:g}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    """The whole YAML: its sections, then the top-level keys, declared once here. A section left out
+    takes its defaults, except ``model``; ``partition`` (default iid) and ``strategy`` (default
+    fedavg) are built by :func:`build_config` from the partitioner / strategy they name."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    partition: PartitionConfig
+    model: ModelConfig
+    client: ClientConfig = field(default_factory=ClientConfig)
+    strategy: StrategyConfig
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    seed: int = option(0, at_least(0))  # partitions, model init, sampling and local shuffling derive from it
+    rounds: int = option(20, at_least(1))
+    target_accuracy: float = option(0.9, Interval(0, 1))  # for pct_clients_over_target and rounds_to_target
+    output_dir: str = "outputs"  # each run writes <output_dir>/<timestamp>_<strategy>_<dataset>_<partition>/
+    # Checkpoint every N rounds (0: only at the end), so that a stopped run resumes from its last
+    # complete round: ~5 ms per round on the default config (docs/how-to/resume-and-branch.md).
+    checkpoint_every: int = option(1, at_least(0))
+    # Log each round's numbers and the final summary to an experiment tracker as well (needs the pip
+    # extra of that name; docs/how-to/tracking.md): tensorboard writes <run>/tensorboard/, mlflow logs
+    # to $MLFLOW_TRACKING_URI. A resume continues the same tracker run; may change on resume.
+    tracking: Literal["none", "tensorboard", "mlflow"] = "none"
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return DATASETS[self.dataset.name].input_shape
+
+    @property
+    def num_classes(self) -> int:
+        return DATASETS[self.dataset.name].num_classes

@@ -1,0 +1,162 @@
+"""Writing a run directory as the rounds go by: resolved config, per-round metrics, summary,
+plots, checkpoints, artifacts; and a branch's copy of another run.
+
+Layout (the results contract)::
+
+    <run>/config.yaml        resolved experiment config
+    <run>/rounds.jsonl       one JSON object per round
+    <run>/summary.json       final values; rewritten every round ("finished": false until the end)
+    <run>/accuracy.png, clients_over_target.png, dendrogram.png (FL+HC)
+    <run>/checkpoint/        state.json + models.npz (its arrays) of the latest checkpoint
+    <run>/*.npy, *.png       the strategy's artifacts (linkage.npy, relevance.npy, similarity.npy, ...)
+    <run>/branch.json        a branch only: the run and round it continues, and the changed options
+    <run>/tracking.json      with ``tracking:`` set: the tracker's run id, reopened on resume
+    <run>/tensorboard/       with ``tracking: tensorboard``: the event files
+
+Each file is written atomically (temp file + rename), so an interrupted run never
+leaves a truncated file behind; the checkpoint's two files carry their round, so a
+run stopped between writing them is detected when resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .checkpoints import write_checkpoint
+from .files import atomic_write, written_aside
+from .plots import plot_rounds
+from .run_files import RoundRow, read_rounds
+from .tracking import TRACKING_FILE, Tracker, branch_record, check_tracking, open_tracker
+
+
+def json_ready(value: Any) -> Any:
+    """Plain JSON types; NaN/inf become null so the files are strict JSON."""
+    if isinstance(value, Mapping):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [json_ready(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return None if not math.isfinite(value) else float(value)
+    return value
+
+
+def run_dir_name(strategy: str, dataset: str, partition: str) -> str:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return f"{stamp}_{strategy}_{dataset}_{partition}"
+
+
+class RunRecorder:
+    """Writes a run's results contract as the rounds go by."""
+
+    def __init__(
+        self, run_dir: Path, on_round: Callable[[RoundRow], None] | None = None, config: Mapping[str, Any] | None = None,
+        phase_words: Mapping[str, str] | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.phase_words = phase_words  # phase name -> words for the plots' legend (plots.phase_words)
+        self.on_round = on_round
+        self.config = config or {}  # the resolved config, as plain data: its ``tracking`` is opened
+        self.rows: list[RoundRow] = []
+        self.tracker: Tracker | None = None  # `tracking:` (fedcluster_flwr.tracking), opened by start/resume
+
+    def start(self, resolved_config: Mapping[str, Any]) -> None:
+        """Begin a run in an empty (or new) directory; never overwrite an earlier run."""
+        if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
+            raise FileExistsError(f"{self.run_dir} already holds files; results go to a new directory")
+        check_tracking(str(resolved_config.get("tracking") or "none"))  # a missing package: nothing written
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
+        atomic_write(self.run_dir / "rounds.jsonl", "")
+        self.write_summary({"finished": False, "completed_rounds": 0})
+        self.config = resolved_config
+        self.tracker = open_tracker(self.run_dir, resolved_config, 0)
+
+    def resume(self, completed_round: int) -> None:
+        """Continue a run after ``completed_round``: keep the rows up to it, drop later ones."""
+        self.rows = [row for row in read_rounds(self.run_dir) if row["round"] <= completed_round]
+        atomic_write(self.run_dir / "rounds.jsonl", "".join(json.dumps(row) + "\n" for row in self.rows))
+        self.tracker = open_tracker(self.run_dir, self.config, completed_round)
+
+    def log_round(self, row: RoundRow) -> None:
+        row = json_ready(row)
+        self.rows.append(row)
+        # One unbuffered write, one system call: a run killed mid-round never leaves half a row
+        # (a buffered file writes a row longer than its 8 KiB buffer in pieces).
+        with open(self.run_dir / "rounds.jsonl", "ab", buffering=0) as handle:
+            handle.write((json.dumps(row) + "\n").encode())
+        if self.tracker is not None:  # after the file: a tracker never holds up or loses a row
+            self.tracker.log_round(row)
+        if self.on_round is not None:
+            self.on_round(row)
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        summary = json_ready(summary)
+        atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        if self.tracker is not None:
+            self.tracker.log_summary(summary)
+
+    def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        """``checkpoint/state.json`` and ``checkpoint/models.npz``: the tree ``checkpoint`` (dicts,
+        lists, JSON scalars and arrays; see :func:`~fedcluster_flwr.checkpoints.load_checkpoint`)
+        with every array moved to the ``.npz``. Both files carry ``checkpoint["round"]``, so a torn
+        pair is detected; ``state.json`` is tied to this run's row of that round."""
+        write_checkpoint(self.run_dir / "checkpoint", checkpoint, self.rows)
+
+    def write_artifacts(self, artifacts: Mapping[str, Any]) -> None:
+        """Files a strategy describes, by name: arrays as ``.npy``, figures drawn to their path."""
+        for name, artifact in artifacts.items():
+            path = self.run_dir / name
+            if isinstance(artifact, np.ndarray):
+                with written_aside(path, "wb") as handle:
+                    np.save(handle, artifact)
+            else:
+                artifact(path)
+
+    def plot(self, target_accuracy: float, title: str, phase_words: Mapping[str, str] | None = None) -> None:
+        """``accuracy.png`` and ``clients_over_target.png`` of the rounds so far (:func:`plot_rounds`);
+        ``phase_words`` (phase name -> words) names the phases in the legend, by default the
+        recorder's own (given when it was made)."""
+        words = self.phase_words if phase_words is None else phase_words
+        plot_rounds(self.rows, self.run_dir, target_accuracy, title, phase_words=words)
+
+
+BRANCH_FILE = "branch.json"
+
+
+def branch_run(
+    source: Path, target: Path, resolved_config: Mapping[str, Any], completed_round: int, overrides: Sequence[str]
+) -> None:
+    """Start run ``target`` as a copy of run ``source`` at its checkpoint (``completed_round``),
+    with ``resolved_config`` (the source's, with ``overrides`` applied).
+
+    ``branch.json`` records where the branch came from; ``rounds.jsonl`` is cut back to the
+    checkpoint when the branch resumes. Plots and a saved update matrix are not copied.
+    """
+    if target.is_dir() and any(target.iterdir()):
+        raise FileExistsError(f"{target} already holds files; give a new directory (results are never overwritten)")
+    shutil.copytree(  # the source's tracker run is its own: the branch gets a link to it instead
+        source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "updates.npy", ".*", TRACKING_FILE)
+    )
+    if (link := branch_record(source, completed_round)) is not None:
+        atomic_write(target / TRACKING_FILE, json.dumps(link, indent=2) + "\n")
+    atomic_write(target / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
+    atomic_write(target / "summary.json", json.dumps({"finished": False, "completed_rounds": completed_round}) + "\n")
+    earlier = source / BRANCH_FILE
+    provenance = {
+        "source": str(source),
+        "round": completed_round,
+        "overrides": list(overrides),
+        "source_branch": json.loads(earlier.read_text()) if earlier.is_file() else None,
+    }
+    atomic_write(target / BRANCH_FILE, json.dumps(provenance, indent=2) + "\n")

@@ -1,0 +1,112 @@
+"""A run directory read back: its rows, summary and config, and the error for a damaged one.
+
+What a run directory holds (the results contract) is listed in :mod:`fedcluster_flwr.recorder`,
+which writes it; everything here only reads. A missing, truncated or edited file is a
+:class:`DamagedRunError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .schema import ConfigError
+
+RoundRow = dict[str, Any]
+
+
+class DamagedRunError(ConfigError):
+    """A file of a run directory is missing, truncated or not what fedcluster writes; the message
+    names the file and what is wrong with it (a user-facing error: one line, no traceback)."""
+
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(str(path), message)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """``summary.json`` of ``run_dir``: a JSON object (``"finished": true`` once the run ended)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DamagedRunError(path, "not found: the run's summary is missing") from None
+    except (OSError, ValueError) as err:
+        raise DamagedRunError(path, f"cannot be read as JSON ({' '.join(str(err).split())}): truncated or edited") from None
+    if not isinstance(summary, dict):
+        raise DamagedRunError(path, f"must hold a JSON object, got {type(summary).__name__}")
+    return summary
+
+
+def format_summary(summary: Mapping[str, Any], run_dir: Path) -> str:
+    """A finished run's summary as `fedcluster run` (and a `flwr run` at its end) prints it."""
+    def pct(value: Any) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f} %"
+
+    reached = summary.get("rounds_to_target")
+    over = "n/a" if summary.get("pct_clients_over_target") is None else f"{summary['pct_clients_over_target']:.1f} %"
+    target = summary.get("target_accuracy")
+    def by_cluster(key: str) -> str:
+        clusters = summary.get(key) or {}
+        text = "  ".join(f"{k}: {pct(v)}" for k, v in list(clusters.items())[:12])
+        return text + (f"  ... ({len(clusters)} clusters)" if len(clusters) > 12 else "")
+
+    scores = ", ".join(
+        f"{name} {summary[key]:.2f}" for key, name in (("purity", "purity"), ("ari", "ARI"), ("nmi", "NMI"))
+        if summary.get(key) is not None
+    )
+    lines = [
+        f"  mean client accuracy   {pct(summary.get('mean_client_accuracy'))} "
+        f"(best {pct(summary.get('best_mean_client_accuracy'))})",
+        f"  clients over target    {over} (target {target:g}; the mean "
+        f"{f'reached it at round {reached}' if reached else 'never reached the target'})",
+        f"  clusters               {summary.get('num_clusters')} ({scores})",
+        f"  per-cluster accuracy   {by_cluster('per_cluster_accuracy')}",
+        f"  per true cluster       {by_cluster('per_true_cluster_accuracy')}",
+        f"  communication          up {summary['bytes_up'] / 1e6:.1f} MB, down {summary['bytes_down'] / 1e6:.1f} MB",
+        f"  failures               {summary['fit_failures']} failed fits, {summary['rejected_updates']} rejected updates",
+        f"  wall time              {summary['wall_seconds']:.1f} s",
+        f"  results                {run_dir}",
+    ]
+    return "\n".join(lines)
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """A run's ``config.yaml`` as plain data (for plots and tables: no validation)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise DamagedRunError(path, "not found: is this a fedcluster run directory?")
+    try:
+        config = yaml.safe_load(path.read_text(errors="replace"))
+    except yaml.YAMLError as err:
+        raise DamagedRunError(path, f"is not valid YAML ({' '.join(str(err).split())[:120]})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("strategy"), dict):
+        raise DamagedRunError(path, "holds no strategy section: not a fedcluster run's config")
+    return config
+
+
+def read_rounds(run_dir: Path) -> list[RoundRow]:
+    """The rows of ``rounds.jsonl``. A last line cut short (the run was killed while appending it)
+    is left out; any other line that is not a JSON object with a round number is an error."""
+    path = Path(run_dir) / "rounds.jsonl"
+    if not path.is_file():
+        raise DamagedRunError(path, "not found: the run's per-round log is missing")
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # the row being appended when the run was killed; its round is redone on resume
+            raise DamagedRunError(path, f"line {number} is not valid JSON: truncated or edited") from None
+        if not isinstance(row, dict) or isinstance(row.get("round"), bool) or not isinstance(row.get("round"), int):
+            raise DamagedRunError(path, f"line {number} is not a round's row (a JSON object with an integer \"round\")")
+        rows.append(row)
+    return rows
