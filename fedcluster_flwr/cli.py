@@ -228,8 +228,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export_partitions(args: argparse.Namespace) -> int:
-    """Write every simulated client's data as a device's data folder (see data/device.py)."""
-    from .data.device import MANIFEST_FILE, export_partitions
+    """Write every simulated client's data as a device's data folder (see export.py)."""
+    from .data.device import MANIFEST_FILE
+    from .export import export_partitions
 
     config = _load(args)
     manifest = export_partitions(config, Path(args.dir), images=args.images)

@@ -7,6 +7,7 @@ see :mod:`fedcluster_flwr.data.device`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -17,8 +18,8 @@ from flwr.clientapp import ClientApp
 
 from . import protocol
 from .config_sections import ExperimentConfig
-from .data.device import FolderSource, make_device_client, node_data_source
-from .experiment import config_from_run_config, make_client
+from .data.device import DeviceClient, FolderSource, load_device_data, node_data_source
+from .experiment import config_from_run_config, configure_torch, make_client
 
 
 class OutsideTheExperiment(NumPyClient):
@@ -38,6 +39,17 @@ class OutsideTheExperiment(NumPyClient):
         raise ValueError(f"partition-id {self.pid} is outside 0..{self.num_clients - 1} (partition.num_clients)")
 
     evaluate = fit  # type: ignore[assignment]
+
+
+def make_device_client(config: ExperimentConfig, source: FolderSource) -> DeviceClient:
+    """The client of a SuperNode started with ``data-dir``: client ``source.client_id`` of the
+    experiment, on the folder's data."""
+    configure_torch(config)  # before the device's data become tensors (portable numerics' pins)
+    data = load_device_data(source.data_dir, config.dataset.name, config.num_classes)
+    return make_client(
+        config, source.client_id, config.partition.num_clients, data=data,
+        client_class=functools.partial(DeviceClient, cluster_id=source.cluster_id),
+    )
 
 
 def make_client_fn(config: ExperimentConfig | None = None) -> Callable[[Context], Client]:

@@ -14,13 +14,8 @@ from fedcluster_flwr.cli import main
 from fedcluster_flwr.client_app import make_client_fn
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.data import DataError
-from fedcluster_flwr.data.device import (
-    NodeConfigError,
-    config_hash,
-    export_partitions,
-    load_device_data,
-    node_data_source,
-)
+from fedcluster_flwr.data.device import NodeConfigError, load_device_data, node_data_source
+from fedcluster_flwr.export import config_hash, export_partitions
 from fedcluster_flwr.experiment import client_data
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from helpers import FakeProxy, constant_model, synthetic_round, make_setup

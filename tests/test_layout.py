@@ -26,17 +26,13 @@ def module_name(path: Path) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
-    """The modules a file imports, anywhere in it (functions included), as absolute names;
-    imports under ``if TYPE_CHECKING:`` are left out (they never run)."""
+    """The modules a file imports, anywhere in it (functions and ``if TYPE_CHECKING:`` included: a
+    reader follows those arrows too), as absolute names."""
     tree = ast.parse(path.read_text())
     here = module_name(path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
-    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-               and ast.unparse(block.test) == "TYPE_CHECKING" for node in ast.walk(block)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):

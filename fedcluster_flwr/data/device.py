@@ -1,5 +1,5 @@
-"""A device's own data: what a real SuperNode started with ``data-dir`` trains and evaluates on,
-and the export of a simulated experiment's partitions into that format.
+"""A device's own data: what a real SuperNode started with ``data-dir`` trains and evaluates on
+(:mod:`fedcluster_flwr.export` writes a simulated experiment's partitions in this format).
 
 A data folder holds either
 
@@ -29,8 +29,6 @@ Node config of a SuperNode (``--node-config``), read by :func:`node_data_source`
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -248,98 +246,3 @@ class DeviceClient(ClusterClient):
         if self.cluster_id is not None:
             facts[TRUE_CLUSTER] = self.cluster_id
         return super().get_properties(config) | facts
-
-
-def make_device_client(config: Any, source: FolderSource) -> DeviceClient:
-    """The client of a SuperNode started with ``data-dir``: client ``source.client_id`` of the
-    experiment, on the folder's data."""
-    from ..experiment import configure_torch, make_client
-
-    configure_torch(config)  # before the device's data become tensors (portable numerics' pins)
-    data = load_device_data(source.data_dir, config.dataset.name, config.num_classes)
-    return make_client(
-        config, source.client_id, config.partition.num_clients, data=data,
-        client_class=functools.partial(DeviceClient, cluster_id=source.cluster_id),
-    )
-
-
-# ---- exporting a simulated experiment's partitions --------------------------------------------
-
-
-def config_hash(config_dict: Mapping[str, Any]) -> str:
-    """SHA-256 of the resolved config (canonical JSON): which experiment an export belongs to."""
-    text = json.dumps(config_dict, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def export_partitions(config: Any, out_dir: Path | str, images: bool = False) -> dict[str, Any]:
-    """Write each simulated client's data, exactly the tensors that client trains and evaluates
-    on (after its partition's transforms: rotation, label swap), to ``out_dir/client_<i>/data.npz``
-    (with ``images``: also a PNG tree ``train/<label>/*.png``, 8-bit, so not bit-exact), plus
-    ``manifest.json`` (client id, true cluster, the SuperNode's node config, the config hash)
-    and the resolved ``config.yaml``. Returns the manifest."""
-    import yaml
-
-    from ..config import config_to_dict
-    from ..experiment import client_data
-
-    out = Path(out_dir).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    plain = config_to_dict(config)
-    _, partition = _experiment_partition(config)
-    clients = []
-    for pid in range(config.partition.num_clients):
-        folder = out / f"client_{pid}"
-        folder.mkdir(exist_ok=True)
-        data = client_data(config, pid)
-        arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
-        if data.x_val is not None and data.y_val is not None:
-            arrays |= {"x_val": data.x_val, "y_val": data.y_val}
-        np.savez(folder / NPZ_FILE, **{key: value.numpy() for key, value in arrays.items()})
-        if images:
-            _write_png_tree(folder, arrays, config.dataset.name)
-        true_cluster = int(partition.true_clusters[pid])
-        clients.append({
-            "client_id": pid,
-            "true_cluster": true_cluster,
-            "dir": folder.name,
-            "train_examples": len(data.y_train),
-            "test_examples": len(data.y_test),
-            "node_config": f"{DATA_DIR}='{folder}' {CLIENT_ID}={pid} {CLUSTER_ID}={true_cluster}",
-        })
-    manifest = {
-        "config_hash": config_hash(plain),
-        "dataset": config.dataset.name,
-        "input_shape": list(config.input_shape),
-        "num_classes": config.num_classes,
-        "num_clients": config.partition.num_clients,
-        "format": NPZ_FILE + (" and train/test/<label>/*.png" if images else ""),
-        "clients": clients,
-    }
-    (out / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
-
-
-def _experiment_partition(config: Any) -> Any:
-    from ..experiment import experiment_data
-
-    return experiment_data(config)
-
-
-def _write_png_tree(folder: Path, arrays: Mapping[str, torch.Tensor], dataset: str) -> None:
-    """8-bit PNGs of model inputs (undoing the standardisation): for devices that read images."""
-    from PIL import Image
-
-    facts = DATASETS[dataset]
-    mean = torch.tensor(facts.mean).view(1, -1, 1, 1)
-    std = torch.tensor(facts.std).view(1, -1, 1, 1)
-    for split in SPLITS:
-        if f"x_{split}" not in arrays:
-            continue
-        pixels = ((arrays[f"x_{split}"] * std + mean).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
-        for index, (image, label) in enumerate(zip(pixels, arrays[f"y_{split}"].tolist())):
-            target = folder / split / str(label)
-            target.mkdir(parents=True, exist_ok=True)
-            mode = "L" if image.shape[0] == 1 else "RGB"
-            Image.fromarray(image[0] if mode == "L" else image.transpose(1, 2, 0), mode).save(target / f"{index:05d}.png")

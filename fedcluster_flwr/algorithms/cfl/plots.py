@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .strategy import Split
-
 
 def plot_cluster_tree(
-    splits: Sequence[Split], assignment: np.ndarray, true_clusters: np.ndarray, rounds: int, path: Path, title: str
+    splits: Sequence[Any], assignment: np.ndarray, true_clusters: np.ndarray, rounds: int, path: Path, title: str
 ) -> None:
-    """Clusters as horizontal lines over the rounds, each split a fork labelled with its round and
+    """Clusters as horizontal lines over the rounds, each split (a :class:`~.strategy.Split`: its
+    ``round``, ``parent``, ``children``, ``alpha_max_cross``) a fork labelled with its round and
     α_max^cross; each current cluster labelled with its size and how many of its members come from
     each true cluster (``true 0:5, 2:1``)."""
     import matplotlib
