@@ -233,6 +233,26 @@ class HierarchicalFL(ClusteredStrategy):
         self.gps_total = int(state["gps_total"])
 
 
+    def clustered_matrix_artifacts(
+        self, arrays: dict[str, Any], figure: str, matrix: np.ndarray, *, title: str, colour_label: str,
+        dendrogram_title: str, **plot_options: Any,
+    ) -> Artifacts:
+        """The files of a one-time clustering of a client matrix: ``arrays``, the matrix as a heat
+        map (clients ordered by true cluster, the clusters found beside it) and, where the clustering
+        has a linkage, its dendrogram cut as it was."""
+        clustering = self.clustering
+        pids = list(clustering.pids)
+        files: dict[str, Any] = dict(arrays)
+        files[figure] = functools.partial(
+            plot_client_matrix, matrix, self.setup.true_clusters[pids], self.setup.cluster_names,
+            title=title, colour_label=colour_label, clients=pids, found=clustering.labels, **plot_options,
+        )
+        if len(clustering.linkage):
+            files["dendrogram.png"] = clustering.dendrogram(self.setup.true_clusters, self.options.threshold,
+                                                            dendrogram_title)
+        return files
+
+
 @register
 class RandomClusters(HierarchicalFL):
     """The paper's baseline: clients put in ``num_clusters`` clusters at random, then HFL."""
@@ -382,18 +402,9 @@ class OneShotHFL(HierarchicalFL):
         true task, with the clusters found beside it) and ``dendrogram.png``."""
         if self.relevance is None or self.clustering is None:
             return {}
-        opts, clustering = self.options, self.clustering
-        pids = list(clustering.pids)
+        opts = self.options
         title = (f"relevance R ({opts.relevance} rule, {opts.features}, k={opts.num_eigenvectors}); "
-                 f"strip: the {clustering.num_clusters} clusters found")
-        files: dict[str, Any] = {
-            "relevance.npy": self.relevance,
-            "similarity.png": functools.partial(
-                plot_client_matrix, self.relevance, self.setup.true_clusters[pids], self.setup.cluster_names,
-                title=title, colour_label="R", clients=pids, found=clustering.labels,
-            ),
-        }
-        if len(clustering.linkage):
-            files["dendrogram.png"] = clustering.dendrogram(
-                self.setup.true_clusters, opts.threshold, f"one-shot clustering of 1 - R ({opts.linkage} linkage)")
-        return files
+                 f"strip: the {self.clustering.num_clusters} clusters found")
+        return self.clustered_matrix_artifacts(
+            {"relevance.npy": self.relevance}, "similarity.png", self.relevance, title=title, colour_label="R",
+            dendrogram_title=f"one-shot clustering of 1 - R ({opts.linkage} linkage)")

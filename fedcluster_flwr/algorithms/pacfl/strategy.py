@@ -37,7 +37,6 @@ clustered together with everyone before training rather than placed afterwards.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -52,7 +51,6 @@ from .math import closest_cluster, proximity_matrix, subspace_proximity
 
 from ..oneshot.math import within_and_across
 from ...features import feature_dim
-from ...plots import plot_client_matrix
 from ...schema import AtMostOne, above, at_least, option, require
 from ..oneshot import tasks as oneshot
 from ..oneshot.tasks import EIGENVECTORS, GRAM_EIGEN
@@ -214,19 +212,10 @@ class PACFL(HierarchicalFL):
         cluster, the clusters found beside it) and ``dendrogram.png``."""
         if self.proximity is None or self.clustering is None:
             return {}
-        opts, clustering = self.options, self.clustering
-        pids = list(clustering.pids)
+        opts = self.options
         title = (f"PACFL proximity ({opts.proximity}, {opts.features}, p={opts.num_basis}); "
-                 f"strip: the {clustering.num_clusters} clusters found")
-        files: dict[str, Any] = {
-            "proximity.npy": self.proximity,
-            "proximity.png": functools.partial(
-                plot_client_matrix, self.proximity, self.setup.true_clusters[pids], self.setup.cluster_names,
-                title=title, colour_label=f"proximity A ({opts.proximity} of principal angles), degrees",
-                clients=pids, found=clustering.labels, colour_range=None,
-            ),
-        }
-        if len(clustering.linkage):
-            files["dendrogram.png"] = clustering.dendrogram(
-                self.setup.true_clusters, opts.threshold, f"PACFL clustering of the proximity, degrees ({opts.linkage} linkage)")
-        return files
+                 f"strip: the {self.clustering.num_clusters} clusters found")
+        return self.clustered_matrix_artifacts(
+            {"proximity.npy": self.proximity}, "proximity.png", self.proximity, title=title,
+            colour_label=f"proximity A ({opts.proximity} of principal angles), degrees",
+            dendrogram_title=f"PACFL clustering of the proximity, degrees ({opts.linkage} linkage)", colour_range=None)
