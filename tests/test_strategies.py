@@ -139,6 +139,7 @@ def test_sampling_is_seeded(tmp_path):
 def test_each_client_gets_its_own_fit_instruction(tmp_path):
     """Flower issues #2704/#2780: one shared FitIns mutated for one client changes all."""
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
+    connect_test_run(strategy)
     instructions = strategy.configure_fit(1, None, client_manager(4))
     configs = [ins.config for _, ins in instructions]
     configs[0][TASK_KEY] = "changed"
@@ -189,6 +190,7 @@ def test_oracle_averages_only_inside_true_clusters(tmp_path):
 
 def test_federation_with_the_wrong_number_of_nodes_is_refused(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
+    connect_test_run(strategy)
     with pytest.raises(FederationError, match="num-supernodes=4"):
         strategy.configure_fit(1, None, client_manager(2, reported=2))
 
@@ -392,6 +394,7 @@ def test_two_clients_claiming_one_partition_id_keep_the_first(tmp_path):
     manager = client_manager(3)
     manager.register(FakeProxy("impostor", 1, 3))
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3))
+    connect_test_run(strategy)
     instructions = strategy.configure_fit(1, None, manager)
     assert sorted(proxy.pid for proxy, _ in instructions) == [0, 1, 2]
     assert "impostor" not in {proxy.cid for proxy, _ in instructions}
@@ -428,6 +431,7 @@ def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
 def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply):
     setup = make_setup(tmp_path, 2, train_sizes=[50, 50])
     strategy = FedAvg(FractionOptions(1.0), setup)
+    connect_test_run(strategy)
     manager = client_manager(2)
     instructions = strategy.configure_fit(1, None, manager)
     good = constant_model(1.0)
@@ -452,12 +456,14 @@ def test_malformed_partition_ids_are_ignored(tmp_path):
     manager.register(FakeProxy("odd", "x", 2))
     manager.register(FakeProxy("float", 1.0, 2))
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2))
+    connect_test_run(strategy)
     assert sorted(p.pid for p, _ in strategy.configure_fit(1, None, manager)) == [0, 1]
 
 
 def test_a_restarted_supernode_takes_its_partition_back(tmp_path):
     manager = client_manager(3)
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3))
+    connect_test_run(strategy)
     strategy.configure_fit(1, None, manager)
     old = next(p for p in manager.all().values() if p.pid == 1)
     manager.unregister(old)
@@ -474,6 +480,7 @@ def test_no_answering_client_stops_the_run_with_the_reason(tmp_path):
     manager = SimpleClientManager()
     manager.register(Broken("1", 0, 1))
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 1))
+    connect_test_run(strategy)
     with pytest.raises(FederationError, match="CUDA unavailable"):
         strategy.configure_fit(1, None, manager)
 
