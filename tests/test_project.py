@@ -28,6 +28,15 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert test_command in ci_lines
 
 
+def test_the_readme_command_runs_the_fast_tier_and_ci_runs_the_slow_tier_after_it():
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        addopts = tomllib.load(handle)["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-m 'not slow'" in addopts  # `python -m pytest` is the fast tier
+    test_command = next(line for line in readme_commands() if "pytest" in line)
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ci_lines.index("python -m pytest -m slow") > ci_lines.index(test_command)
+
+
 def test_readme_starts_with_the_main_job_then_the_tests():
     first, second = readme_commands()[:2]
     assert first.endswith("fedcluster run conf/default.yaml") and "pip install torch==" in first
