@@ -189,6 +189,11 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
     checkpoint = _arrays_in(state, arrays)
     del checkpoint["format"]
     checkpoint.pop(ROW_DIGEST, None)  # which run the file belongs to (check_resumable), not the run's state
+    # Written before the round log became the runner's (#35), a checkpoint keeps the model selection
+    # by validation loss in the log's state; it is the strategy's now (algorithms/base/model_selection.py).
+    moved = checkpoint["log"].pop("best_validated", None)
+    if moved:
+        checkpoint["strategy"].setdefault("best_validated", moved)
     return checkpoint
 
 

@@ -85,3 +85,25 @@ def test_result_files_get_the_mode_the_umask_gives_not_mkstemps_0600(tmp_path, u
         "config.yaml", "rounds.jsonl", "summary.json", "checkpoint/state.json", "checkpoint/models.npz",
         "linkage.npy", "comparison.md"}
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written} == {p.name: oct(mode) for p in written}
+
+
+@pytest.mark.parametrize("case", ["dac"])  # local keeps it through the same mixin
+def test_a_checkpoint_with_the_model_selection_in_the_log_state_resumes_as_one_with_it_in_the_strategys(case, tmp_path):
+    """Checkpoints written before the round log became the runner's kept the per-client model
+    selection by validation loss (``best_validated``) in the log's state; they resume to the same
+    rows as an uninterrupted run."""
+    config = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (
+        *SETTINGS, f"strategy.name={case}", *STRATEGY_OVERRIDES[case], "partition.val_fraction=0.1")])[0]
+    whole = run_in_process(config, tmp_path / "whole")
+    stopped = tmp_path / "stopped"
+    run_in_process(config, stopped, stop_after=4)
+    state_file = stopped / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["log"]["best_validated"] = state["strategy"].pop("best_validated")  # as the older version wrote it
+    assert state["log"]["best_validated"]
+    state_file.write_text(json.dumps(state))
+    resumed = run_in_process(config, stopped, resume=True)
+
+    rows = rows_without_timing(whole.observer.recorder.rows)
+    assert rows_without_timing(resumed.observer.recorder.rows) == rows
+    assert all("mean_best_val_accuracy" in row for row in rows)

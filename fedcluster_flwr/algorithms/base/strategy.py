@@ -22,8 +22,9 @@ keyed by partition id, for personal-model strategies); ``assignment`` maps every
 cluster (or ``UNASSIGNED``) for the per-cluster metrics. Which Flower client is which partition
 is the job of :class:`~.directory.ClientDirectory`.
 
-A new algorithm is one subclass: set ``name`` and ``Options``, implement
-:meth:`fit_instructions`, and override what it needs of :data:`HOOKS`.
+A new algorithm is one subclass, decorated with :func:`fedcluster_flwr.registry.register`: set
+``name`` and ``Options``, implement :meth:`fit_instructions`, and override what it needs of
+:data:`HOOKS` (docs/how-to/add-algorithm.md).
 """
 
 from __future__ import annotations
