@@ -148,6 +148,8 @@ class RoundLog:
             "per_cluster_accuracy": last.get("per_cluster_accuracy"),
             "per_true_cluster_accuracy": last.get("per_true_cluster_accuracy"),
             "per_true_cluster_accuracy_std": last.get("per_true_cluster_accuracy_std"),
+            "mean_best_val_accuracy": last.get("mean_best_val_accuracy"),
+            "per_true_cluster_best_val_accuracy": last.get("per_true_cluster_best_val_accuracy"),
             "num_clusters": last.get("num_clusters"),
             "purity": last.get("purity"),
             "ari": last.get("ari"),
@@ -168,6 +170,7 @@ class RoundLog:
         server_round = report.server_round
         self.true_clusters = strategy.directory.true_clusters(self.experiment_true_clusters)
         row = self.metrics_row(report, strategy.phase(server_round), strategy.assignment, strategy.directory.connected)
+        row.update(strategy.model_selection_metrics())
         row.update(strategy.round_metrics(server_round))
         self.recorder.log_round(row)
         self.recorder.write_artifacts(report.counters.artifacts)

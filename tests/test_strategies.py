@@ -438,7 +438,7 @@ def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply
     results = [(instructions[0][0], fit_res(good)), (instructions[1][0], reply(good))]
     strategy.aggregate_fit(1, results, [])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)  # only the good update counted
-    assert strategy.round.rejected_updates == 1
+    assert strategy.counters.rejected_updates == 1
 
 
 def test_bad_metrics_never_become_results(tmp_path):

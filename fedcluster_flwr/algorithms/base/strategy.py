@@ -59,6 +59,7 @@ from ...models import parameters_with_prefixes
 from ...protocol import MODEL, MODELS, TRAIN, ModelSpec
 from .selection import SELECT, SELECTED, TRAIN_SELECT
 from .directory import ClientDirectory, Federation
+from .model_selection import BestValidated
 from .messages import Instruction, Reply, RoundMessages, parameters_nbytes
 
 __all__ = ["HOOKS", "UNASSIGNED", "Artifacts", "ClusteredStrategy", "Instruction", "Reply", "RoundReport",
@@ -148,6 +149,7 @@ class ClusteredStrategy(Strategy):
     name: ClassVar[str]
     Options: ClassVar[type]
     round_word: ClassVar[str] = "rounds"  # what one of its rounds is, in plots ("ifca rounds")
+    phase_words: ClassVar[Mapping[str, str]] = {}  # its own phases in words, for the plots' legend
 
     def __init__(self, options: Any, setup: StrategySetup) -> None:
         super().__init__()
@@ -162,7 +164,8 @@ class ClusteredStrategy(Strategy):
         self.directory = ClientDirectory(setup.num_clients)
         self.messages = RoundMessages(self.model_spec, setup.train_sizes)
         self.observer: RoundObserver | None = None
-        self.round = RoundCounters()
+        self.model_selection = BestValidated()
+        self.counters = RoundCounters()
         self.round_offset = 0  # rounds already done when resuming: Flower's round r is round r + offset
 
     def connect(self, federation: Federation, observer: RoundObserver | None) -> ClusteredStrategy:
@@ -222,6 +225,7 @@ class ClusteredStrategy(Strategy):
             "client_models": self.client_models,
             "assignment": self.assignment,
             "rng": self.rng.bit_generator.state,
+            "best_validated": self.model_selection.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -232,6 +236,7 @@ class ClusteredStrategy(Strategy):
         self.client_models = {int(p): list(model) for p, model in state["client_models"].items()}
         self.assignment[:] = state["assignment"]
         self.rng.bit_generator.state = state["rng"]
+        self.model_selection.load_state_dict(state.get("best_validated", {}))
 
     @classmethod
     def options_fixed_by(cls, state: Mapping[str, Any]) -> tuple[str, ...]:
@@ -335,7 +340,7 @@ class ClusteredStrategy(Strategy):
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
         server_round += self.round_offset
-        counters = self.round = RoundCounters(started=time.perf_counter())
+        counters = self.counters = RoundCounters(started=time.perf_counter())
         online = self.directory.online_clients(server_round, client_manager)
         self.messages.train_sizes = self.directory.train_sizes(self.setup.train_sizes)
         packed = self.messages.pack_fit(self.fit_instructions(server_round, online), server_round)
@@ -350,7 +355,7 @@ class ClusteredStrategy(Strategy):
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         server_round += self.round_offset
-        counters = self.round
+        counters = self.counters
         counters.fit_failures += len(failures)
         for failure in failures:
             log(WARNING, "round %s: a client failed during fit: %s", server_round, _describe_failure(failure))
@@ -376,10 +381,10 @@ class ClusteredStrategy(Strategy):
         server_round += self.round_offset
         online = self.directory.online_clients(server_round, client_manager)
         if not online:
-            self.end_round(RoundReport(server_round, self.round, {}, {}, eval_failures=0))
+            self.end_round(RoundReport(server_round, self.counters, {}, {}, eval_failures=0))
             return []
         packed = self.messages.pack_evaluate({pid: self.evaluation_model(pid) for pid in online}, server_round)
-        self.round.bytes_eval = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
+        self.counters.bytes_eval = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
         return [(self.directory.proxy(pid), ins) for pid, ins in packed]
 
     def aggregate_evaluate(
@@ -404,15 +409,26 @@ class ClusteredStrategy(Strategy):
         eval_failures = len(failures) + len(results) - len(accuracy)
         # Partition-id order, not arrival order: means are then bit-identical across reruns.
         accuracy, loss = dict(sorted(accuracy.items())), dict(sorted(loss.items()))
-        self.end_round(RoundReport(server_round, self.round, accuracy, loss, eval_failures, dict(sorted(val_loss.items()))))
+        self.end_round(RoundReport(server_round, self.counters, accuracy, loss, eval_failures, dict(sorted(val_loss.items()))))
         mean_loss = float(np.mean(list(loss.values()))) if loss else None
         mean_accuracy = float(np.mean(list(accuracy.values()))) if accuracy else float("nan")
         return mean_loss, {"mean_client_accuracy": mean_accuracy}
 
     def end_round(self, report: RoundReport) -> None:
+        """The round's evaluation seen by the model selection and the ``evaluated`` hook, then handed
+        to the observer (which checkpoints the state they updated)."""
+        self.model_selection.update(report.accuracy, report.val_loss)
         self.evaluated(report.server_round, report)
-        if self.observer is not None:
+        if self.observer is None:
+            log(WARNING, "round %s of %s is not recorded: the strategy is not connected to a round log",
+                report.server_round, self.name)
+        else:
             self.observer.round_ended(self, report)
+
+    def model_selection_metrics(self) -> dict[str, Any]:
+        """Each client's best-validated accuracy, summarised for the round's row (see
+        :mod:`.model_selection`); empty unless clients report a validation loss."""
+        return self.model_selection.metrics(self.directory.true_clusters(self.setup.true_clusters))
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         """No centralized evaluation: every client tests its own model on its own data."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from ...protocol import MODELS, TRAIN
 from ...schema import option
-from ..base.model_selection import ValidatedSelection
 from ..base.strategy import ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SHARE_OF_CLIENTS
 from ...registry import register
@@ -43,7 +42,7 @@ class FedAvg(ClusteredStrategy):
 
 
 @register
-class LocalOnly(ValidatedSelection):
+class LocalOnly(ClusteredStrategy):
     """Every client trains only its own (personal) model, every round; for the per-cluster
     metrics each client is a cluster of one."""
 

@@ -62,8 +62,7 @@ from . import tasks as gossip
 from .tasks import GOSSIP_TRAIN
 from ...plots import plot_client_matrix
 from ...schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
-from ..base.model_selection import ValidatedSelection
-from ..base.strategy import Artifacts, Instruction, Reply, StrategySetup
+from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SHARE_OF_CLIENTS
 from ...registry import register
 from .math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
@@ -130,12 +129,13 @@ class PENSOptions(GossipOptions):
                 f"must be in 1..{drawn_key} ({drawn}): of the peers drawn, the ones kept; got {self.num_kept}")
 
 
-class Gossip(ValidatedSelection):
+class Gossip(ClusteredStrategy):
     """Personal models exchanged between sampled neighbours through the relay; see the module docstring."""
 
     name = "gossip"
     Options = GossipOptions
     round_word = "gossip exchanges"
+    phase_words = {PRETRAIN_PHASE: "local pretraining"}
 
     def __init__(self, options: GossipOptions, setup: StrategySetup) -> None:
         super().__init__(options, setup)
