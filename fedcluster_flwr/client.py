@@ -88,9 +88,6 @@ class TaskOutput:
     loss: float = float("nan")
 
 
-handles = registry.handles
-
-
 def round_seed(seed: int, server_round: int, pid: int, *stream: int) -> int:
     """Independent, reproducible seed for one client's training in one round; a ``stream`` number
     keeps another use of randomness in that round (e.g. a selection mini-batch) apart from it."""
@@ -183,7 +180,7 @@ class ClusterClient(NumPyClient):
         return len(self.data.y_train)
 
 
-@handles(TRAIN)
+@registry.handles(TRAIN)
 def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     (arrays,) = inputs.blocks[MODELS]
     model = client.load_model(arrays)
@@ -192,7 +189,7 @@ def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput
     return TaskOutput({MODEL: get_weights(model)}, client.num_train, {TRAIN_LOSS: loss})
 
 
-@handles(EVALUATE)
+@registry.handles(EVALUATE)
 def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     """Test loss and accuracy; with a validation split, also the validation loss."""
     (arrays,) = inputs.blocks[MODELS]

@@ -11,7 +11,9 @@ client receiving a task it has no handler for):
 2. every entry point of the group ``fedcluster_flwr.algorithms`` (an installed package's
    ``[project.entry-points."fedcluster_flwr.algorithms"] toy = "toy_family"``);
 3. every module named in the environment variable ``FEDCLUSTER_ALGORITHMS`` (comma-separated
-   import names, for a family that is importable but not installed; Ray's workers inherit it).
+   import names, for a family that is importable but not installed). The Ray workers of a Ray that
+   the run starts itself inherit it; the nodes of a Ray cluster joined with ``simulation.ray_address``
+   and SuperNodes on other machines do not: install the family there, with its entry point.
 
 Families are found by name, never imported from here by a static import, so that this module
 sits below everything that uses it.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import threading
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -40,8 +43,9 @@ Handler = Callable[..., Any]  # (client.ClusterClient, client.TaskInput) -> clie
 
 STRATEGIES: dict[str, type] = {}  # strategy name -> strategy class
 HANDLERS: dict[str, tuple[Task, Handler]] = {}  # task name -> (task, its handler)
-_loaded: list[str] = []  # the family modules imported so far, in order
-_scanned: list[bool] = []  # [True] once the shipped families and the entry points were loaded
+_loaded: set[str] = set()  # the family modules imported so far
+_scan = {"done": False}  # whether the shipped families and the entry points were loaded
+_lock = threading.RLock()  # a batched run's client threads may load the families for a task at once
 
 
 class FamilyImportError(ConfigError):
@@ -68,6 +72,10 @@ def handles(task: Task) -> Callable[[Handler], Handler]:
     """Register the decorated function as the client's handler of ``task``."""
 
     def register_handler(handler: Handler) -> Handler:
+        taken = HANDLERS.get(task.name)
+        if taken is not None and taken[1] is not handler:
+            raise ValueError(f"task {task.name!r} is handled by {_where(taken[1])}; {_where(handler)} "
+                             "needs a task of another name")
         HANDLERS[task.name] = (task, handler)
         return handler
 
@@ -78,28 +86,33 @@ def load_families() -> None:
     """Import every family (see the module docstring) that is not imported yet. The shipped
     families and the entry points are looked for once per process (scanning every installed
     distribution's metadata costs tens of milliseconds); ``FEDCLUSTER_ALGORITHMS`` is read each time."""
-    if not _scanned:
-        built_in = importlib.import_module(BUILT_IN)
-        for found in pkgutil.iter_modules(built_in.__path__):
-            if found.ispkg and found.name not in SHARED_PACKAGES:
-                _load(f"{BUILT_IN}.{found.name}", "")
-        for point in entry_points(group=ENTRY_POINT_GROUP):
-            _load(point.value, f"entry point {point.name!r} of group {ENTRY_POINT_GROUP!r}")
-        _scanned.append(True)
-    for name in filter(None, (n.strip() for n in os.environ.get(FAMILIES_VARIABLE, "").split(","))):
-        _load(name, f"environment variable {FAMILIES_VARIABLE}")
+    with _lock:
+        if not _scan["done"]:
+            built_in = importlib.import_module(BUILT_IN)
+            for found in pkgutil.iter_modules(built_in.__path__):
+                if found.ispkg and found.name not in SHARED_PACKAGES:
+                    _load(f"{BUILT_IN}.{found.name}", "")
+            for point in entry_points(group=ENTRY_POINT_GROUP):
+                _load(point.value, f"entry point {point.name!r} of group {ENTRY_POINT_GROUP!r}")
+            _scan["done"] = True
+        for name in filter(None, (n.strip() for n in os.environ.get(FAMILIES_VARIABLE, "").split(","))):
+            _load(name, f"environment variable {FAMILIES_VARIABLE}")
 
 
 def _load(module: str, named_by: str) -> None:
+    """Import ``module``; a family named from outside (``named_by``) that fails to import, for
+    whatever reason, is a :class:`FamilyImportError` naming who named it (a shipped one raises as is)."""
     if module in _loaded:
         return
     try:
         importlib.import_module(module.split(":", 1)[0])
-    except ImportError as err:
+    except Exception as err:
         if not named_by:
             raise
-        raise FamilyImportError(f"algorithm family {module!r} (named by {named_by}) cannot be imported: {err}") from err
-    _loaded.append(module)
+        raise FamilyImportError(
+            f"algorithm family {module!r} (named by {named_by}) cannot be imported: {type(err).__name__}: {err}"
+        ) from err
+    _loaded.add(module)
 
 
 def strategies() -> dict[str, type]:

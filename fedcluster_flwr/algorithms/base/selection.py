@@ -25,7 +25,8 @@ import torch
 from ...types import Scalar
 from torch import nn
 
-from ...client import ClusterClient, TaskInput, TaskOutput, handles, round_seed
+from ...client import ClusterClient, TaskInput, TaskOutput, round_seed
+from ...registry import handles
 from ...protocol import (
     LOSS,
     MODEL,

@@ -20,7 +20,8 @@ from __future__ import annotations
 from ...types import Scalar
 
 from ...aggregation import lowest, weighted_mean
-from ...client import ClusterClient, TaskInput, TaskOutput, handles
+from ...client import ClusterClient, TaskInput, TaskOutput
+from ...registry import handles
 from ...protocol import LOSS, MODEL, MODELS, TRAIN_LOSS, Task, indexed, one_model, one_per_item
 from ...training import get_weights
 

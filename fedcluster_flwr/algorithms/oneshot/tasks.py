@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from ...types import Scalar
 
-from ...client import ClusterClient, TaskInput, TaskOutput, handles
+from ...client import ClusterClient, TaskInput, TaskOutput
+from ...registry import handles
 from .math import relevance_row
 from ...features import feature_map, gram_matrix, top_eigenpairs
 from ...protocol import ArraySpec, ModelSpec, ProtocolError, Sent, Task
