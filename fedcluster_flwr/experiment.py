@@ -163,10 +163,16 @@ def run_title(config: ExperimentConfig) -> str:
 
 
 def strategy_phase_words() -> dict[str, str]:
-    """How the plots' legend words a phase named after a registered strategy where "<name> rounds"
-    (:func:`~fedcluster_flwr.plots.phase_words`' default) would not say it: a gossip strategy's
-    exchange rounds, "dac gossip exchanges"."""
-    return {name: f"{name} {cls.round_word}" for name, cls in strategies().items() if cls.round_word != "rounds"}
+    """How the plots' legend words the registered strategies' phases where "<phase> rounds"
+    (:func:`~fedcluster_flwr.plots.phase_words`' default) would not say it: each strategy class's
+    own phases (``phase_words``: "pretrain" -> "local pretraining") and a gossip strategy's exchange
+    rounds ("dac" -> "dac gossip exchanges", its ``round_word``)."""
+    words: dict[str, str] = {}
+    for name, cls in strategies().items():
+        words.update(cls.phase_words)
+        if cls.round_word != "rounds":
+            words[name] = f"{name} {cls.round_word}"
+    return words
 
 
 def server_components(

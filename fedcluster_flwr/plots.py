@@ -319,19 +319,14 @@ def _cluster_sort_key(key: str) -> tuple[int, str]:
 
 
 # What a round's phase (rounds.jsonl's "phase") means, for the legend of the accuracy plots: the
-# phases several algorithms share. A phase named after its algorithm (e.g. "dac", "ifca") is worded
-# by the caller (plot_rounds' phase_words), else "<phase> rounds".
+# phases several algorithms share. A family's own phases ("pretrain", "lps") and a phase named after
+# its algorithm ("dac") are worded by the caller (plot_rounds' phase_words: each strategy class's
+# ``phase_words`` and ``round_word``), else "<phase> rounds".
 PHASE_WORDS = {
-    "pretrain": "local pretraining",
     "fedavg": "FedAvg, one shared model",
     "warmup": "warm-up, one shared model",
     "clustering": "clustering round",
     "clustered": "training per cluster",
-    "gram_eigen": "clients send data summaries",
-    "relevance": "clients send relevance rows",
-    "lps": "training per cluster",
-    "pens_selection": "PENS neighbour selection",
-    "pens_gossip": "gossip with the kept neighbours",
 }
 
 

@@ -337,6 +337,7 @@ def test_cfl_relative_thresholds_find_three_groups_of_a_held_out_case(tmp_path):
     assert last["ari"] >= 0.9 and last["num_clusters"] == 3
 
 
+@pytest.mark.slow  # two 12 s measurements of the thresholds' scale, not a unit of behaviour
 @pytest.mark.parametrize("lr", [0.02, 0.15])
 def test_relative_thresholds_follow_the_update_scale_where_absolute_ones_do_not(tmp_path, lr):
     """The same case with smaller or larger steps (client.lr): the update norms scale with them, so

@@ -139,18 +139,22 @@ def test_the_gossip_legend_says_that_pretraining_ends_and_the_gossip_begins(draw
     labels = [t.get_text() for t in drawn["accuracy.png"].axes[0].get_legend().get_texts()]
     assert "round 2: local pretraining → dac gossip exchanges" in labels
     assert phase_words("ifca") == "ifca rounds" and phase_words("no_such_phase") == "no_such_phase rounds"
-    assert phase_words("pretrain", {"pretrain": "other"}) == "local pretraining"  # the shared phases' words stay
+    assert phase_words("fedavg", {"fedavg": "other"}) == "FedAvg, one shared model"  # the shared phases' words stay
 
 
 def test_a_run_words_the_gossip_strategies_phases_as_gossip_exchanges():
     """The words a run's recorder gets (experiment.server_components): every gossip strategy's
-    exchange rounds, and only theirs; the plots know no strategy."""
+    exchange rounds, and only theirs, and each family's own phases as the family words them; the
+    plots know no strategy."""
     from fedcluster_flwr.algorithms.dac.strategy import Gossip
     from fedcluster_flwr.registry import strategies
 
     words = strategy_phase_words()
     assert words["dac"] == "dac gossip exchanges" and words["random_gossip"] == "random_gossip gossip exchanges"
-    assert set(words) == {name for name, cls in strategies().items() if issubclass(cls, Gossip)}
+    named_after_a_strategy = {phase for phase in words if phase in strategies()}
+    assert named_after_a_strategy == {name for name, cls in strategies().items() if issubclass(cls, Gossip)}
+    assert words["pretrain"] == "local pretraining" and words["lps"] == "training per cluster"
+    assert words["pens_selection"] == "PENS neighbour selection"
     assert phase_words("ifca", words) == "ifca rounds"
 
 

@@ -214,7 +214,7 @@ def test_dac_beats_random_gossip_on_the_minority_cluster_through_ray(rotation_go
 
 
 def test_the_in_process_driver_reproduces_the_ray_engine_bit_for_bit(tmp_path):
-    """fedcluster_flwr/inprocess.py (used by the behaviour-preservation test) is a faithful stand-in for
+    """fedcluster_flwr/engines/inprocess.py (used by the behaviour-preservation test) is a faithful stand-in for
     Flower's Ray engine: FL+HC with failures and a late joiner gives the same rounds in both."""
     from trajectories import KEYS, SETTINGS
 

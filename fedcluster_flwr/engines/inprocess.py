@@ -26,13 +26,13 @@ from flwr.common import Code
 from flwr.server.client_manager import ClientManager, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 
+from ..algorithms.base import StrategySetup
 from ..config_sections import ExperimentConfig
-from .batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
 from ..experiment import client_device, make_client, server_components
 from ..numerics import torch_threads
 from ..protocol import TASK_KEY
 from ..run_files import RoundRow
-from ..algorithms.base import StrategySetup
+from .batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
 
 
 class InProcessProxy(ClientProxy):
@@ -135,7 +135,7 @@ def run_in_process(
     on_round: Callable[[RoundRow], None] | None = None,
 ) -> Any:
     """Run ``config`` to the end (or to ``stop_after``, checkpointed; ``resume``: from the
-    checkpoint in ``run_dir``); return the strategy (its models, assignment, log). torch runs
+    checkpoint in ``run_dir``); return the strategy (its models, assignment; its round log is ``observer``). torch runs
     one thread inside, as in each of the Ray engine's clients (the caller's count is restored).
 
     ``make_strategy`` builds another strategy from the experiment's setup (a strategy that

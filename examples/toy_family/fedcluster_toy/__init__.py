@@ -1,6 +1,6 @@
 """A toy algorithm family from outside fedcluster_flwr: FedAvg with server momentum (FedAvgM, Hsu et
 al., "Measuring the effects of non-identical data distribution for federated visual
-classification", 2019), as the worked example of docs/how-to/add-an-algorithm.md.
+classification", 2019), as the worked example of docs/how-to/add-algorithm.md.
 
 Each round a ``client_fraction`` of the online clients trains the global model w (task ``train``);
 with Δ = w − FedAvg(replies), the server keeps a velocity v ← β·v + Δ (β = ``server_momentum``)

@@ -42,7 +42,8 @@ class Federation:
 class ClientDirectory:
     """Partition ids of Flower clients, learnt once per client; see the module docstring."""
 
-    def __init__(self, num_clients: int, federation: Federation = Federation()) -> None:
+    def __init__(self, num_clients: int, federation: Federation | None = None) -> None:
+        federation = federation or Federation()
         self.num_clients = num_clients
         self.join_round = federation.join_round
         self.wait_for_clients_s = federation.wait_for_clients_s

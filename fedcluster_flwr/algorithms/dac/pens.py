@@ -59,6 +59,8 @@ class PENS(Gossip):
     """
 
     name = "pens"
+    phase_words = {**Gossip.phase_words, "pens_selection": "PENS neighbour selection",
+                   "pens_gossip": "gossip with the kept neighbours"}
     Options = PENSOptions
 
     def __init__(self, options: PENSOptions, setup: StrategySetup) -> None:

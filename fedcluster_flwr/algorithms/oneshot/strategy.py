@@ -141,6 +141,8 @@ class HierarchicalFL(ClusteredStrategy):
     name = "hfl"
     Options = HFLOptions
     training_phase = "lps"  # the name of the rounds after the clustering
+    phase_words = {"gram_eigen": "clients send data summaries", "relevance": "clients send relevance rows",
+                   "lps": "training per cluster"}
 
     def __init__(self, options: HFLOptions, setup: StrategySetup) -> None:
         super().__init__(options, setup)
