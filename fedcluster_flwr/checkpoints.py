@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .files import mkstemp_public
+from .files import written_aside
 from .run_files import DamagedRunError, RoundRow, read_rounds
 
 
@@ -76,17 +75,12 @@ def write_checkpoint(folder: Path, checkpoint: Mapping[str, Any], rows: Sequence
     logged = [row for row in rows if row["round"] == checkpoint["round"]]
     if logged:  # ties the checkpoint to this run's log: one copied in from another run is told apart
         state[ROW_DIGEST] = row_digest(logged[-1])
-    # Not files.atomic_write, file by file: both are written before either replaces the last
-    # checkpoint, so a run killed now (kill -9, a stop signal) leaves a torn pair only if killed
-    # between the two renames, microseconds rather than the time it takes to write state.json.
-    fd, models_tmp = mkstemp_public(folder, prefix=".models.", suffix=".npz")
-    with os.fdopen(fd, "wb") as handle:
-        np.savez(handle, **arrays)
-    fd, state_tmp = mkstemp_public(folder, prefix=".state.", suffix=".json")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps(state, indent=1) + "\n")
-    os.replace(models_tmp, folder / "models.npz")
-    os.replace(state_tmp, folder / "state.json")
+    # Nested, so that both are written before either replaces the last checkpoint: a run killed
+    # now (kill -9, a stop signal) leaves a torn pair only if killed between the two renames,
+    # microseconds rather than the time it takes to write them.
+    with written_aside(folder / "models.npz", "wb") as models, written_aside(folder / "state.json") as state_file:
+        np.savez(models, **arrays)
+        state_file.write(json.dumps(state, indent=1) + "\n")
 
 
 def read_checkpoint_state(run_dir: Path) -> dict[str, Any]:

@@ -33,8 +33,12 @@ def written_aside(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     exist), renamed to ``path`` once the block ends without an error: ``path`` holds what the
     block wrote or its former content, never a part. For writers that stream (``np.save``)."""
     fd, tmp = mkstemp_public(path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, mode) as handle:
-        yield handle
+    try:
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+    except BaseException:
+        os.unlink(tmp)  # a failed write leaves no hidden temporary file behind
+        raise
     os.replace(tmp, path)
 
 

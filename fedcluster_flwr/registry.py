@@ -44,7 +44,7 @@ Handler = Callable[..., Any]  # (client.ClusterClient, client.TaskInput) -> clie
 STRATEGIES: dict[str, type] = {}  # strategy name -> strategy class
 HANDLERS: dict[str, tuple[Task, Handler]] = {}  # task name -> (task, its handler)
 _loaded: set[str] = set()  # the family modules imported so far
-_scan = {"done": False}  # whether the shipped families and the entry points were loaded
+_scanned = False  # whether the shipped families and the entry points were loaded
 _lock = threading.RLock()  # a batched run's client threads may load the families for a task at once
 
 
@@ -86,15 +86,16 @@ def load_families() -> None:
     """Import every family (see the module docstring) that is not imported yet. The shipped
     families and the entry points are looked for once per process (scanning every installed
     distribution's metadata costs tens of milliseconds); ``FEDCLUSTER_ALGORITHMS`` is read each time."""
+    global _scanned
     with _lock:
-        if not _scan["done"]:
+        if not _scanned:
             built_in = importlib.import_module(BUILT_IN)
             for found in pkgutil.iter_modules(built_in.__path__):
                 if found.ispkg and found.name not in SHARED_PACKAGES:
                     _load(f"{BUILT_IN}.{found.name}", "")
             for point in entry_points(group=ENTRY_POINT_GROUP):
                 _load(point.value, f"entry point {point.name!r} of group {ENTRY_POINT_GROUP!r}")
-            _scan["done"] = True
+            _scanned = True
         for name in filter(None, (n.strip() for n in os.environ.get(FAMILIES_VARIABLE, "").split(","))):
             _load(name, f"environment variable {FAMILIES_VARIABLE}")
 

@@ -163,10 +163,10 @@ class RoundLog:
             "numeric_platform": self.numeric_platform,
         }
 
-    def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> dict[str, Any]:
+    def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> None:
         """Record the round: its row, the files the algorithm returned, a checkpoint with the
         strategy's artifacts when one is due, the plots at the end, and the summary (last:
-        ``finished`` means all is written). Returns the row."""
+        ``finished`` means all is written)."""
         server_round = report.server_round
         self.true_clusters = strategy.directory.true_clusters(self.experiment_true_clusters)
         row = self.metrics_row(report, strategy.phase(server_round), strategy.assignment, strategy.directory.connected)
@@ -187,7 +187,6 @@ class RoundLog:
             log(INFO, "results written to %s", self.recorder.run_dir)
         summary = self.summary(server_round, strategy.name, strategy.assignment) | strategy.summary()
         self.recorder.write_summary(summary)
-        return row
 
     def wall_seconds(self) -> float:
         return self._seconds_before + time.perf_counter() - self._started

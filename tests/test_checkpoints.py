@@ -87,7 +87,20 @@ def test_result_files_get_the_mode_the_umask_gives_not_mkstemps_0600(tmp_path, u
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written} == {p.name: oct(mode) for p in written}
 
 
-@pytest.mark.parametrize("case", ["dac"])  # local keeps it through the same mixin
+def test_a_write_that_fails_leaves_the_former_file_and_no_temporary_file(tmp_path):
+    from fedcluster_flwr.files import atomic_write, written_aside
+
+    target = tmp_path / "rounds.jsonl"
+    atomic_write(target, "former\n")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with written_aside(target) as handle:
+            handle.write("half a ro")
+            raise RuntimeError("disk full")
+    assert target.read_text() == "former\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["rounds.jsonl"]
+
+
+@pytest.mark.parametrize("case", ["dac"])  # every strategy keeps it the same way (base/model_selection.py)
 def test_a_checkpoint_with_the_model_selection_in_the_log_state_resumes_as_one_with_it_in_the_strategys(case, tmp_path):
     """Checkpoints written before the round log became the runner's kept the per-client model
     selection by validation loss (``best_validated``) in the log's state; they resume to the same

@@ -13,9 +13,9 @@ from flwr.server.client_manager import SimpleClientManager
 from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.algorithms.base import FederationError
-from fedcluster_flwr.protocol import ACCURACY, TASK_KEY, TRAIN_LOSS
+from fedcluster_flwr.protocol import ACCURACY, TASK_KEY, TRAIN_LOSS, VAL_LOSS
 from fedcluster_flwr.aggregation import weighted_mean
-from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED
+from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED, RoundReport
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
 from fedcluster_flwr.algorithms.flhc.strategy import FLHC, FLHCOptions
 from fedcluster_flwr.algorithms.base.selection import SELECTED, TRAIN_SELECT
@@ -609,3 +609,32 @@ def test_a_torn_checkpoint_is_detected(tmp_path):
     (tmp_path / "checkpoint" / "state.json").write_text(state_after_round_1)  # as if stopped mid-write
     with pytest.raises(ValueError, match="torn"):
         load_checkpoint(tmp_path)
+
+
+# ---- what every strategy keeps beside its algorithm ------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda setup: FedAvg(FractionOptions(1.0), setup),
+    lambda setup: FLHC(FLHCOptions(client_fraction=1.0, rounds_before_clustering=5, num_clusters=2), setup),
+], ids=["fedavg", "flhc"])
+def test_every_strategy_reports_the_accuracy_of_each_clients_best_validated_model(tmp_path, make):
+    """Model selection by validation loss (Zec et al.) is not only the gossip strategies': a
+    strategy whose clients report a validation loss gets it in its rows, summary and state."""
+    strategy = make(make_setup(tmp_path, 4, true=[0, 0, 1, 1], rounds=3))
+    trainer = group_trainer(np.array([0, 0, 1, 1]))
+    for rnd, (val_loss, accuracy) in enumerate([(0.9, 0.5), (0.4, 0.7), (0.6, 0.9)], start=1):
+        reported = {ACCURACY: accuracy, VAL_LOSS: val_loss}
+        synthetic_round(strategy, client_manager(4), rnd, trainer, evaluate=lambda pid, w, reported=reported: (0.5, reported))
+    rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [r["mean_best_val_accuracy"] for r in rows] == [0.5, 0.7, 0.7]  # round 2's models kept the lowest val loss
+    assert rows[-1]["per_true_cluster_best_val_accuracy"] == pytest.approx({"0": 0.7, "1": 0.7})
+    assert json.loads((tmp_path / "summary.json").read_text())["mean_best_val_accuracy"] == 0.7
+    assert strategy.state_dict()["best_validated"] == {p: [0.4, 0.7] for p in range(4)}
+
+
+def test_a_strategy_connected_to_no_round_log_says_its_rounds_are_not_recorded(tmp_path, caplog):
+    strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2))
+    strategy.end_round(RoundReport(1, strategy.counters, {0: 0.5, 1: 0.5}, {0: 1.0, 1: 1.0}, eval_failures=0))
+    assert "round 1 of fedavg is not recorded: the strategy is not connected to a round log" in caplog.text
+    assert not (tmp_path / "rounds.jsonl").exists()

@@ -12,8 +12,7 @@ Every round of every fedcluster strategy goes the same way:
 2. :meth:`ClusteredStrategy.absorb` (the algorithm; by default FedAvg inside each cluster) takes
    the round's replies.
 3. Every online client evaluates *its own* model (:meth:`evaluation_model`) on its own test
-   split; :meth:`evaluated` (the algorithm; by default nothing) sees the results, and the
-   :class:`RoundReport` goes to the observer the runner connected (:meth:`connect`), which
+   split; the :class:`RoundReport` goes to the observer the runner connected (:meth:`connect`), which
    records the round, checkpoints the strategy's :meth:`state_dict` and writes its
    :meth:`artifacts`. A strategy writes no file and keeps no log: state in, decisions out.
 
@@ -75,7 +74,6 @@ Artifacts = Mapping[str, Union[np.ndarray, Callable[[Path], Any]]]
 HOOKS = (
     "fit_instructions",  # who works this round, on which task (required)
     "absorb",  # take the round's replies (default: FedAvg inside each cluster)
-    "evaluated",  # see the round's evaluation results (default: nothing)
     "phase",  # the name of a round's phase in rounds.jsonl
     "unassigned_model",  # what a client without a cluster is evaluated on
     "round_metrics",  # the algorithm's entries of a round's row
@@ -138,9 +136,9 @@ class RoundReport:
 
 
 class RoundObserver(Protocol):
-    """Who records a strategy's rounds (the runner's round log); returns the round's row."""
+    """Who records a strategy's rounds (the runner's round log)."""
 
-    def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> Mapping[str, Any]: ...
+    def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...
 
 
 class ClusteredStrategy(Strategy):
@@ -189,10 +187,6 @@ class ClusteredStrategy(Strategy):
         """
         self.aggregate_clusters([r for r in replies if MODEL in r.task.reply])
         return None
-
-    def evaluated(self, server_round: int, report: RoundReport) -> None:
-        """See the round's evaluation results before the round is recorded (e.g. to select each
-        client's model by its validation loss); default: nothing."""
 
     def phase(self, server_round: int) -> str:
         """Name of the algorithm's phase in ``server_round`` (recorded per round)."""
@@ -415,10 +409,9 @@ class ClusteredStrategy(Strategy):
         return mean_loss, {"mean_client_accuracy": mean_accuracy}
 
     def end_round(self, report: RoundReport) -> None:
-        """The round's evaluation seen by the model selection and the ``evaluated`` hook, then handed
-        to the observer (which checkpoints the state they updated)."""
+        """The round's evaluation taken into the model selection, then handed to the observer
+        (which checkpoints the state it updated)."""
         self.model_selection.update(report.accuracy, report.val_loss)
-        self.evaluated(report.server_round, report)
         if self.observer is None:
             log(WARNING, "round %s of %s is not recorded: the strategy is not connected to a round log",
                 report.server_round, self.name)
