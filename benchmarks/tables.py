@@ -1,0 +1,226 @@
+"""Paper tables as resumable sets of runs: each run is (setting, method, seed) in a folder of its own.
+
+A table command calls :func:`advance` with its runs in the order they should happen. Each run is
+in one of three states, read from its folder:
+
+- **finished** (``summary.json`` says ``finished``): skipped; its small files are copied into the
+  table's committed results folder (``benchmarks/<paper>/results/full/<run>/``) if not there yet;
+- **checkpointed** (a ``checkpoint/`` from an earlier, stopped attempt): resumed from its checkpoint,
+  on the engine asked for now (the engine is how rounds execute, not what they compute);
+- **new** (no folder, or a folder stopped before its first checkpoint, which is set aside as
+  ``<run>.incomplete-<n>``): started.
+
+Ctrl-C or SIGTERM stops the run in progress at its last checkpoint (every round by default) and
+the command with exit code 130/143; running the same command again continues. The run folders
+live outside the work tree by default (``$FEDCLUSTER_TABLES_DIR``, else ``~/fedcluster-tables``):
+they hold checkpoints of every model. The table page is written from whatever runs have finished,
+with ``render`` (each table's own), after each finished run and at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedcluster_flwr.checkpoints import checkpoint_round
+from fedcluster_flwr.config_sections import ExperimentConfig
+from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
+from fedcluster_flwr.run_files import DamagedRunError, read_summary
+
+SMALL_FILES = ("summary.json", "rounds.jsonl", "config.yaml", "machine.json")  # what the repository keeps of a run
+
+
+def default_runs_root() -> Path:
+    """Where the table commands keep their run folders unless told: outside any work tree."""
+    return Path(os.environ.get("FEDCLUSTER_TABLES_DIR") or Path.home() / "fedcluster-tables")
+
+
+@dataclass(frozen=True)
+class TableRun:
+    """One run of a table: its folder name (unique within the table) and its resolved config."""
+
+    name: str
+    config: ExperimentConfig
+    labels: dict[str, Any] = dataclasses.field(default_factory=dict)  # setting, method, seed: for the page
+
+
+def run_state(run_dir: Path) -> str:
+    """``finished``, ``checkpointed`` or ``new`` (see the module docstring)."""
+    try:
+        if read_summary(run_dir).get("finished") is True:
+            return "finished"
+    except (DamagedRunError, FileNotFoundError, OSError):
+        pass
+    if checkpoint_round(run_dir) is not None:
+        return "checkpointed"
+    return "new"
+
+
+def machine_description(engine: str) -> dict[str, Any]:
+    """What ran a run: engine, host, processor and core count, torch and its device."""
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {
+        "engine": engine,
+        "host": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _set_aside(run_dir: Path) -> Path:
+    """Move a folder that stopped before its first checkpoint out of the way (never deleted)."""
+    for n in range(1, 1000):
+        target = run_dir.with_name(f"{run_dir.name}.incomplete-{n}")
+        if not target.exists():
+            run_dir.rename(target)
+            return target
+    raise RuntimeError(f"too many incomplete attempts beside {run_dir}")
+
+
+def _with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> ExperimentConfig:
+    simulation = dataclasses.replace(config.simulation, engine=engine)
+    if workers is not None:
+        simulation = dataclasses.replace(simulation, batched_workers=workers)
+    return dataclasses.replace(config, simulation=simulation)
+
+
+def _record_machine(run_dir: Path, engine: str, seconds: float, resumed_from: int) -> None:
+    """Append this attempt to ``machine.json`` (a run resumed elsewhere has several)."""
+    path = run_dir / "machine.json"
+    attempts = json.loads(path.read_text())["attempts"] if path.is_file() else []
+    attempts.append(machine_description(engine) | {"seconds": round(seconds, 1), "resumed_from_round": resumed_from})
+    path.write_text(json.dumps({"attempts": attempts}, indent=1) + "\n")
+
+
+def keep_small_files(run_dir: Path, results_dir: Path) -> Path:
+    """Copy a finished run's small files into ``results_dir/<run>/`` (the repository's copy)."""
+    target = results_dir / run_dir.name
+    target.mkdir(parents=True, exist_ok=True)
+    for name in SMALL_FILES:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, target / name)
+    return target
+
+
+def advance(
+    runs: Sequence[TableRun],
+    *,
+    runs_root: Path,
+    results_dir: Path,
+    engine: str,
+    workers: int | None = None,
+    render: Callable[[], None] | None = None,
+    only: Iterable[str] | None = None,
+    max_runs: int | None = None,
+    log: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> dict[str, str]:
+    """Run, resume or skip each of ``runs`` in order (see the module docstring); return each run's
+    state afterwards. ``max_runs`` stops after that many runs were started or resumed (a stretch of
+    work); ``only`` restricts to those names. Raises :class:`Interrupted` on a stop signal, after
+    the page is written from what finished."""
+    names = [run.name for run in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"run names repeat: {sorted(n for n in names if names.count(n) > 1)}")
+    wanted = set(only) if only is not None else None
+    runs_root.mkdir(parents=True, exist_ok=True)
+    states: dict[str, str] = {}
+    worked = 0
+    try:
+        for run in runs:
+            run_dir = runs_root / run.name
+            state = run_state(run_dir)
+            if state == "finished" or (wanted is not None and run.name not in wanted) or (
+                max_runs is not None and worked >= max_runs
+            ):
+                if state == "finished":
+                    keep_small_files(run_dir, results_dir)
+                states[run.name] = state
+                continue
+            worked += 1
+            started = time.perf_counter()
+            if state == "checkpointed":
+                done = checkpoint_round(run_dir) or 0
+                log(f"{run.name}: resuming from round {done} on {engine}")
+                overrides = [f"simulation.engine={engine}"] + ([f"simulation.batched_workers={workers}"] if workers else [])
+                try:
+                    continue_run(plan_continuation(run_dir, overrides=overrides))
+                finally:
+                    _record_machine(run_dir, engine, time.perf_counter() - started, done)
+            else:
+                if run_dir.exists():
+                    log(f"{run.name}: set aside {_set_aside(run_dir).name} (stopped before its first checkpoint)")
+                log(f"{run.name}: starting on {engine}")
+                try:
+                    run_experiment(_with_engine(run.config, engine, workers), run_dir)
+                finally:
+                    if run_dir.is_dir():
+                        _record_machine(run_dir, engine, time.perf_counter() - started, 0)
+            states[run.name] = run_state(run_dir)
+            log(f"{run.name}: {states[run.name]} ({time.perf_counter() - started:.0f} s)")
+            if states[run.name] == "finished":
+                keep_small_files(run_dir, results_dir)
+                if render is not None:
+                    render()
+    finally:
+        if render is not None:
+            render()
+    return states
+
+
+def add_table_arguments(parser: Any, default_engine: str = "batched") -> None:
+    """The flags every table command shares."""
+    parser.add_argument("--engine", choices=("ray", "inprocess", "batched"), default=default_engine)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="batched engine worker threads (1 leaves a core free on a 2-core machine; "
+                             "0 = one per core)")
+    parser.add_argument("--runs-dir", type=Path, default=None,
+                        help="where run folders (with checkpoints) live; default $FEDCLUSTER_TABLES_DIR or "
+                             "~/fedcluster-tables/<table>")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where finished runs' small files and the page go (default: the table's "
+                             "results/full/ in the repository)")
+    parser.add_argument("--only", default=None, help="comma-separated run names to advance (others are skipped)")
+    parser.add_argument("--max-runs", type=int, default=None, help="stop after starting or resuming this many runs")
+    parser.add_argument("--list", action="store_true", help="print every run and its state, and stop")
+    parser.add_argument("--render", action="store_true", help="only rewrite the page from the finished runs")
+
+
+def main_loop(runs: Sequence[TableRun], args: Any, table: str, default_results: Path,
+              render: Callable[[Path], None]) -> int:
+    """The body of a table command: list, render, or advance; exit code as the shell expects."""
+    runs_root = args.runs_dir or default_runs_root() / table
+    results_dir = args.results_dir or default_results
+    results_dir.mkdir(parents=True, exist_ok=True)
+    if args.list:
+        for run in runs:
+            print(f"{run_state(runs_root / run.name):12s} {run.name}")
+        return 0
+    if args.render:
+        render(results_dir)
+        return 0
+    try:
+        states = advance(
+            runs, runs_root=runs_root, results_dir=results_dir, engine=args.engine,
+            workers=args.workers or None, render=lambda: render(results_dir),
+            only=args.only.split(",") if args.only else None, max_runs=args.max_runs,
+        )
+    except Interrupted as stop:
+        print(f"stopped: {stop}; run the same command again to continue", file=sys.stderr)
+        return stop.exit_code
+    done = sum(state == "finished" for state in states.values())
+    print(f"{done} of {len(runs)} runs finished; runs in {runs_root}, page in {results_dir}")
+    return 0
