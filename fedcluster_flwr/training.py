@@ -2,11 +2,19 @@
 
 Data arrive as in-memory tensors (a client holds a few hundred samples), so batches
 are sliced from a seeded permutation instead of going through a DataLoader.
+
+What local training minimises is each mini-batch's mean cross-entropy plus the terms of an
+:class:`Objective` (FedProx's proximal term, a regulariser), with the parameters the objective
+freezes held fixed. A term is a pure function of the client's parameters and of the parameters
+the round started from; every engine applies it through this one definition (``train`` here, the
+batched engine's stacked step through ``torch.func.vmap`` of the same function), so a method that
+changes local training states its objective and never copies a training loop.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +78,51 @@ def set_weights(model: nn.Module, weights: NDArrays, assign: bool = False) -> No
     model.load_state_dict(tensors, strict=True, assign=assign)
 
 
+ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which make_optimizer uses
+ADAM_EPS = 1e-8
+
+Parameters = Mapping[str, torch.Tensor]  # parameter name -> tensor (one client's, or K clients' stacked)
+Term = Callable[[Parameters, Parameters], torch.Tensor]  # (parameters, the round's start) -> a scalar added to the loss
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What local training minimises beyond each mini-batch's mean cross-entropy.
+
+    ``terms``: functions ``(parameters, start) -> scalar`` added to every mini-batch's loss, where
+    ``parameters`` are the client's parameters by name and ``start`` their values when the round's
+    training began (constants). They must be pure torch functions of these tensors (no ``.item()``,
+    no Python branch on a value, no module hook): the batched engine vmaps them over the clients.
+    Frozen dataclasses make good terms (hashable: clients with equal objectives are stacked together).
+    ``frozen``: parameter-name prefixes (whole dotted components, as ``shared_layers``) whose
+    parameters do not change: they get no gradient and no optimizer step.
+    """
+
+    terms: tuple[Term, ...] = ()
+    frozen: tuple[str, ...] = ()
+
+    def penalty(self, parameters: Parameters, start: Parameters) -> torch.Tensor:
+        """The sum of the terms (one client's parameters; vmapped over a stack by the batched engine)."""
+        total = self.terms[0](parameters, start)
+        for term in self.terms[1:]:
+            total = total + term(parameters, start)
+        return total
+
+    def is_frozen(self, name: str) -> bool:
+        return any(name == prefix or name.startswith(prefix + ".") for prefix in self.frozen)
+
+    def trainable(self, names: Sequence[str]) -> list[str]:
+        """The names of ``names`` that training changes; a frozen prefix that names none of them
+        is an error (a misspelt layer would otherwise train everything)."""
+        for prefix in self.frozen:
+            if not any(name == prefix or name.startswith(prefix + ".") for name in names):
+                raise ValueError(f"frozen layer {prefix!r} names no parameter of the model; its parameters: {', '.join(names)}")
+        return [name for name in names if not self.is_frozen(name)]
+
+
+PLAIN = Objective()  # cross-entropy alone, every parameter trained
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     epochs: int
@@ -80,12 +133,11 @@ class TrainSettings:
     weight_decay: float
 
 
-def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, settings: TrainSettings, objective: Objective = PLAIN) -> torch.optim.Optimizer:
+    parameters = [p for name, p in model.named_parameters() if not objective.is_frozen(name)]
     if settings.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    return torch.optim.SGD(
-        model.parameters(), lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay
-    )
+        return torch.optim.Adam(parameters, lr=settings.lr, weight_decay=settings.weight_decay)
+    return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
 
 
 def train(
@@ -95,8 +147,10 @@ def train(
     settings: TrainSettings,
     generator: torch.Generator,
     device: torch.device,
+    objective: Objective = PLAIN,
 ) -> float:
-    """Run ``settings.epochs`` epochs of minibatch training; return the mean batch loss.
+    """Run ``settings.epochs`` epochs of minibatch training on ``objective``; return the mean
+    batch loss (the terms included).
 
     The data go to ``device`` once and the batch losses are read back once at the end: on a
     GPU a host copy or ``.item()`` per step would wait for every step's kernels, and this
@@ -104,18 +158,28 @@ def train(
     on the CPU, so the same seed gives the same batches on every device.
     """
     model.to(device).train()
-    optimizer = make_optimizer(model, settings)
+    trainable = set(objective.trainable([name for name, _ in model.named_parameters()]))
+    optimizer = make_optimizer(model, settings, objective)
+    frozen = [p for name, p in model.named_parameters() if name not in trainable]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    parameters = dict(model.named_parameters())
+    start = {name: p.detach().clone() for name, p in parameters.items()} if objective.terms else {}
     x, y = x.to(device), y.to(device)
     losses = []
     for _ in range(settings.epochs):
         order = torch.randperm(len(y), generator=generator).to(device)
-        for start in range(0, len(y), settings.batch_size):
-            batch = order[start : start + settings.batch_size]
+        for first in range(0, len(y), settings.batch_size):
+            batch = order[first : first + settings.batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+            if objective.terms:
+                loss = loss + objective.penalty(parameters, start)
             loss.backward()
             optimizer.step()
             losses.append(loss.detach())
+    for parameter in frozen:
+        parameter.requires_grad_(True)
     model.cpu()
     return float(np.mean(torch.stack(losses).cpu().tolist())) if losses else float("nan")
 
@@ -127,9 +191,9 @@ class LocalCompute:
 
     def train(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TrainSettings,
-        generator: torch.Generator, device: torch.device,
+        generator: torch.Generator, device: torch.device, objective: Objective = PLAIN,
     ) -> float:
-        return train(model, x, y, settings, generator, device)
+        return train(model, x, y, settings, generator, device, objective)
 
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
         return evaluate(model, x, y, device)

@@ -12,12 +12,17 @@ the handlers go on, to their next request or their reply. Which requests meet is
 handlers alone, never of thread timing, and each group runs in partition-id order, so a seed
 gives the same run every time on the same machine.
 
-Where stacking does not pay, the requests run one client at a time, spread over the workers: on a
-CPU every evaluation (a client's test or training set is already one large batch; stacked, it ran
-1.7-2x slower, benchmarks/engines) and the training of the models in :data:`CPU_UNSTACKED_MODELS`;
-anywhere, a model with buffers (the run says so once). The client
-axis is cut into chunks that fit ``simulation.batched_memory_gb`` (default: half the memory free
-when the engine starts, on the GPU or in RAM, at most 4 GB of RAM).
+Where stacking does not pay or cannot honour the work, the requests run one client at a time,
+spread over the workers: on a CPU the training of the models in :data:`CPU_UNSTACKED_MODELS`;
+anywhere, a model with buffers or hooks and an optimizer the stacked step does not know (the run
+says so once). The client axis is cut into chunks that fit ``simulation.batched_memory_gb``
+(default: half the memory free when the engine starts, on the GPU or in RAM, at most 4 GB of RAM);
+on a CPU an evaluation stack holds at most :data:`CPU_EVALUATION_STACK` clients.
+
+**Engine errors are not client failures.** A stack that runs out of memory is split in halves and
+retried (down to one client at a time); any other exception inside stacked work is the engine's
+(:class:`EngineError`): it stops the run with the error instead of failing the chunk's clients. Only
+a client's own work (a request run alone, as on the in-process engine) can fail that client.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..training import LocalCompute, TrainSettings, evaluate, train
-from .stacked import ClientBatchData, architecture_key, can_stack, evaluate_stacked, train_stacked
+from ..training import PLAIN, LocalCompute, Objective, TrainSettings, evaluate, train
+from .stacked import STACKED_OPTIMIZERS, ClientBatchData, architecture_key, evaluate_stacked, train_stacked, why_not_stackable
 
 log = logging.getLogger("fedcluster")
 
@@ -45,6 +50,15 @@ log = logging.getLogger("fedcluster")
 # turns their wide convolutions into grouped ones, which oneDNN runs slower than one per client.
 # On a GPU every model is stacked.
 CPU_UNSTACKED_MODELS = frozenset({"cnn_briggs", "lenet_cifar", "cnn_32_64_fc128", "cnn_lin"})
+
+# Clients per evaluation stack on a CPU: a client's evaluation is already one large batch, and a
+# few clients' grouped channels-last convolutions run about twice as fast as one client's after
+# another, more gain nothing (benchmarks/engines/README.md).
+CPU_EVALUATION_STACK = 8
+
+
+class EngineError(RuntimeError):
+    """The batched engine's own failure (not a client's): stops the run, with the original error."""
 
 # Below this many parameter-samples a batch runs on the calling thread: handing tiny jobs to the
 # workers costs more than it saves (the default digits conf's rounds: ~2e6). Ours, not measured
@@ -64,17 +78,18 @@ class Request:
     device: torch.device
     settings: TrainSettings | None = None
     generator: torch.Generator | None = None
+    objective: Objective = PLAIN
     done: bool = False
     result: Any = None
     error: BaseException | None = None
 
     def group_key(self) -> tuple:
-        return (self.kind, architecture_key(self.model), self.device, self.settings)
+        return (self.kind, architecture_key(self.model), self.device, self.settings, self.objective)
 
     def run_alone(self) -> Any:
         """What the in-process engine does for this request."""
         if self.kind == "train":
-            return train(self.model, self.x, self.y, self.settings, self.generator, self.device)
+            return train(self.model, self.x, self.y, self.settings, self.generator, self.device, self.objective)
         return evaluate(self.model, self.x, self.y, self.device)
 
 
@@ -184,12 +199,14 @@ class BatchPolicy:
             self._pool = None
 
     def stacks(self, request: Request) -> bool:
-        if not can_stack(request.model):
-            self._say_once("buffers", "models with buffers (e.g. BatchNorm) train one client at a time")
+        """Whether ``request``'s group runs stacked; a reason not to is said once."""
+        reason = why_not_stackable(request.model)
+        if reason is None and request.kind == "train" and request.settings.optimizer not in STACKED_OPTIMIZERS:
+            reason = f"optimizer {request.settings.optimizer!r} is not one the stacked step knows: one client at a time"
+        if reason is not None:
+            self._say_once(reason, reason)
             return False
-        if request.device.type == "cpu" and request.kind == "evaluate":
-            return False  # a client's evaluation is already one large batch: stacked it ran 1.7-2x slower
-        if request.device.type == "cpu" and not self.stack_on_cpu:
+        if request.device.type == "cpu" and request.kind == "train" and not self.stack_on_cpu:
             self._say_once("cpu", "this model trains faster one client at a time on a CPU (benchmarks/engines)")
             return False
         return True
@@ -204,6 +221,8 @@ class BatchPolicy:
         sample_bytes = first.x[:1].numel() * first.x.element_size()
         per_client = 5 * parameter_bytes + samples * sample_bytes * 64 + longest * sample_bytes
         fits = max(1, int(self.memory_bytes // per_client))
+        if first.kind == "evaluate" and first.device.type == "cpu":
+            fits = min(fits, CPU_EVALUATION_STACK)
         size = max(1, min(fits, -(-len(requests) // self.workers)))
         return [requests[start : start + size] for start in range(0, len(requests), size)]
 
@@ -220,9 +239,11 @@ def execute(batch: list[Request], policy: BatchPolicy) -> None:
     for request in batch:
         groups.setdefault(request.group_key(), []).append(request)
     jobs: list[Callable[[], None]] = []
-    for requests in groups.values():
-        if len(requests) == 1 or not policy.stacks(requests[0]):
-            jobs.extend(functools.partial(_finish, request, request.run_alone) for request in requests)
+    for group in groups.values():
+        requests = [r for r in group if policy.stacks(r)]  # each model's own hooks decide, not its group's
+        alone = [r for r in group if r not in requests] + (requests if len(requests) == 1 else [])
+        jobs.extend(functools.partial(_finish, request, request.run_alone) for request in alone)
+        if len(requests) < 2:
             continue
         longest = max(len(r.y) for r in requests)
         for chunk in policy.chunks(requests, longest):
@@ -252,17 +273,50 @@ def _finish(request: Request, work: Callable[[], Any]) -> None:
     request.done = True
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """A CUDA or host allocation failure (torch raises the first as ``OutOfMemoryError``, the second
+    as a RuntimeError from the CPU allocator)."""
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+    )
+
+
 def _run_stacked(requests: list[Request]) -> None:
+    """Run ``requests`` as one stack; out of memory, as two halves (a lone request runs as on the
+    in-process engine); any other failure is the engine's (:class:`EngineError`) for every request."""
     first = requests[0]
     data = [ClientBatchData(r.x, r.y) for r in requests]
+    # the stacked step may not change the models before it succeeds: a retry must start from them
     try:
         if first.kind == "train":
-            results = train_stacked([r.model for r in requests], data, first.settings, [r.generator for r in requests], first.device)
+            generators = [r.generator for r in requests]
+            states = [g.get_state() for g in generators]
+            try:
+                results = train_stacked([r.model for r in requests], data, first.settings, generators, first.device,
+                                        first.objective)
+            except BaseException:
+                for generator, state in zip(generators, states):
+                    generator.set_state(state)
+                raise
         else:
             results = evaluate_stacked([r.model for r in requests], data, first.device)
-    except Exception as err:  # noqa: BLE001 - e.g. out of memory: these clients fail, the run goes on
+    except Exception as err:  # noqa: BLE001 - sorted below: memory is retried, the rest stops the run
+        if first.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if is_out_of_memory(err):
+            if len(requests) == 1:
+                _finish(first, first.run_alone)
+                return
+            log.warning("batched engine: a stack of %d clients ran out of memory; splitting it in two", len(requests))
+            half = len(requests) // 2
+            _run_stacked(requests[:half])
+            _run_stacked(requests[half:])
+            return
+        error = EngineError(f"batched engine: stacked {first.kind} of clients {[r.pid for r in requests]} failed: "
+                            f"{type(err).__name__}: {err}")
+        error.__cause__ = err
         for request in requests:
-            request.error, request.done = err, True
+            request.error, request.done = error, True
         return
     for request, result in zip(requests, results):
         request.result, request.done = result, True
@@ -277,9 +331,9 @@ class BatchedCompute(LocalCompute):
 
     def train(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TrainSettings,
-        generator: torch.Generator, device: torch.device,
+        generator: torch.Generator, device: torch.device, objective: Objective = PLAIN,
     ) -> float:
-        return self.rendezvous.submit(Request("train", self.pid, model, x, y, device, settings, generator))
+        return self.rendezvous.submit(Request("train", self.pid, model, x, y, device, settings, generator, objective))
 
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
         return self.rendezvous.submit(Request("evaluate", self.pid, model, x, y, device))

@@ -32,7 +32,9 @@ from ..experiment import client_device, make_client, server_components
 from ..numerics import torch_threads
 from ..protocol import TASK_KEY
 from ..run_files import RoundRow
-from .batched import BatchPolicy, BatchedCompute, CPU_UNSTACKED_MODELS, Rendezvous, cpu_threads, default_memory_bytes, execute
+from .batched import (
+    CPU_UNSTACKED_MODELS, BatchedCompute, BatchPolicy, EngineError, Rendezvous, cpu_threads, default_memory_bytes, execute,
+)
 
 
 class InProcessProxy(ClientProxy):
@@ -105,7 +107,8 @@ def _call_all(instructions, method: str, rendezvous: Rendezvous | None = None) -
     results, failures = [], []
     for (proxy, _), (ok, value) in zip(ordered, outcomes):
         if not ok:
-            if not isinstance(value, Exception):  # KeyboardInterrupt, SystemExit: not a client's failure
+            # KeyboardInterrupt, SystemExit and the batched engine's own errors are not a client's failure
+            if not isinstance(value, Exception) or isinstance(value, EngineError):
                 raise value
             failures.append(value)
         else:

@@ -1,40 +1,57 @@
 """Many clients' local training and evaluation as one computation: their parameters stacked along a
-client axis, one ``torch.func.vmap``-ed step (``functional_call`` + ``grad``) for all of them.
+client axis, one step for all of them.
 
 This module holds no algorithm: it executes what :func:`fedcluster_flwr.training.train` and
 :func:`~fedcluster_flwr.training.evaluate` do for one client, for K clients of one architecture at
 once, with the same arithmetic:
 
+* **The step.** The K models' forward is the architecture's own ``forward_stacked`` where it has
+  one (:mod:`fedcluster_flwr.models`: grouped convolutions in channels-last memory, batched matrix
+  products), else ``torch.func.vmap`` of ``functional_call``. Each client's loss is its batch's mean
+  cross-entropy plus its objective's terms (:class:`~fedcluster_flwr.training.Objective`, the same
+  pure functions ``train`` adds, vmapped over the clients); the K losses are summed and one backward
+  pass gives every client its own gradient (the clients share no parameter).
 * **Data order.** Each client's mini-batches come from its own generator exactly as ``train`` draws
   them (one ``randperm`` per epoch, consecutive slices of ``batch_size``), so a client sees the
   batches it sees on the other engines.
-* **Optimizers.** torch's SGD (momentum, dampening 0, weight decay) and Adam (bias correction,
-  weight decay added to the gradient) in the formulas of their single-tensor implementations
-  (``torch/optim/sgd.py``, ``adam.py``), applied to the stacked tensors; each client's optimizer
-  state is kept stacked along the same axis.
+* **Optimizers.** torch's own Adam (``torch.optim.adam.adam``, fused where the device has the
+  kernel, else for-each) and SGD in the formula of ``torch.optim.SGD`` (momentum, dampening 0,
+  weight decay) as for-each operations, applied to the stacked tensors; each client's optimizer
+  state is kept stacked along the same axis. Gradients are made contiguous
+  first: the fused kernels assume a gradient laid out as its parameter (a channels-last gradient of
+  a contiguous weight gave wrong values).
 * **Unequal clients.** At step s only the clients with more than s steps take part, grouped by the
   size of their s-th batch (a last, shorter batch); a client outside the step is *masked*: neither
   its parameters nor its optimizer state change. All clients taking part in a step have taken
   the same number of steps before it, so Adam's bias correction is one number per step.
+* **Device-clean.** The clients' data, the parameters, the optimizer state and every step's batch
+  indices are on the device before the first step (the indices are drawn on the CPU, for the same
+  batches everywhere, and copied once); the loop reads nothing back until its end, so a GPU never
+  waits for the host inside it (tests run it on the ``meta`` device, where any host tensor would
+  fail, and count the host-to-device copies).
 
-Results agree with the per-client loop to float round-off (vmap's batched convolution sums in
-another order), not bit for bit. No ``flwr`` import here: this is the engine's arithmetic.
+Results agree with the per-client loop to float round-off (the grouped convolution sums in another
+order), not bit for bit. No ``flwr`` import here: this is the engine's arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
+from torch.optim.adam import adam as adam_step
 
-from ..training import TrainSettings
+from ..training import ADAM_BETAS, ADAM_EPS, PLAIN, Objective, TrainSettings
 
-ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which training.make_optimizer uses
-ADAM_EPS = 1e-8
+StackedParameters = dict[str, torch.Tensor]  # name -> [K, *shape]
+StackedForward = Callable[[StackedParameters, torch.Tensor], torch.Tensor]  # [K, B, ...] -> [K, B, classes]
+STACKED_OPTIMIZERS = ("sgd", "adam")
+FUSED_DEVICES = ("cpu", "cuda", "meta")  # devices with torch's fused Adam/SGD kernels
 
 
 def architecture_key(model: nn.Module) -> tuple:
@@ -44,10 +61,26 @@ def architecture_key(model: nn.Module) -> tuple:
     )
 
 
-def can_stack(model: nn.Module) -> bool:
-    """Stacking needs every state entry to be a parameter: a buffer (e.g. BatchNorm statistics) would
-    change in the forward pass, which the functional step does not carry back."""
-    return len(list(model.buffers())) == 0
+def why_not_stackable(model: nn.Module) -> str | None:
+    """Why ``model`` cannot train stacked (None if it can): a buffer (e.g. BatchNorm statistics)
+    changes in the forward pass, which the functional step does not carry back; a hook on a module
+    or a parameter would be skipped by a step that never calls the module (a hook must be honoured,
+    so such a model trains one client at a time)."""
+    if any(True for _ in model.buffers()):
+        return "models with buffers (e.g. BatchNorm) train one client at a time"
+    for name, module in model.named_modules():
+        hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                 getattr(module, "_backward_pre_hooks", {}))
+        if any(hooks):
+            return f"module {name or type(model).__name__!r} has a hook: its model trains one client at a time"
+    for name, parameter in model.named_parameters():
+        if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
+            return f"parameter {name!r} has a hook: its model trains one client at a time"
+    global_hooks = nn.modules.module
+    if any((global_hooks._global_forward_hooks, global_hooks._global_forward_pre_hooks,
+            global_hooks._global_backward_hooks, getattr(global_hooks, "_global_backward_pre_hooks", {}))):
+        return "a global module hook is registered: models train one client at a time"
+    return None
 
 
 def batch_schedule(num_samples: int, settings: TrainSettings, generator: torch.Generator) -> list[torch.Tensor]:
@@ -67,73 +100,210 @@ class ClientBatchData:
     y: torch.Tensor
 
 
-def _stack_parameters(models: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
+class ResidentData:
+    """Device copies of the clients' data tensors, made once and kept while the tensors live and the
+    copies fit ``limit_bytes``: a client's samples cross to an accelerator once per run, not once
+    per request. On the CPU the tensors are used as they are."""
+
+    def __init__(self, limit_bytes: int = 8 * 1024**3) -> None:
+        self.limit_bytes = limit_bytes
+        self._copies: dict[tuple[int, torch.device], tuple[weakref.ref, torch.Tensor]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()  # the batched engine's workers share it
+
+    def on(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if tensor.device == device:
+            return tensor
+        key = (id(tensor), device)
+        with self._lock:
+            found = self._copies.get(key)
+            if found is not None and found[0]() is tensor:
+                return found[1]
+            copy = tensor.to(device)
+            size = copy.numel() * copy.element_size()
+            if self._bytes + size <= self.limit_bytes:
+                self._copies[key] = (weakref.ref(tensor, lambda _, key=key: self._forget(key)), copy)
+                self._bytes += size
+            return copy
+
+    def _forget(self, key: tuple[int, torch.device]) -> None:
+        with self._lock:
+            found = self._copies.pop(key, None)
+            if found is not None:
+                self._bytes -= found[1].numel() * found[1].element_size()
+
+
+RESIDENT = ResidentData()
+
+
+def stacked_forward(template: nn.Module) -> StackedForward:
+    """The K-model forward of ``template``'s architecture: its ``forward_stacked``, else vmap."""
+    own = getattr(template, "forward_stacked", None)
+    if own is not None:
+        return own
+    per_model = vmap(lambda p, xb: functional_call(template, p, (xb,)))
+    return per_model
+
+
+def stack_parameters(models: Sequence[nn.Module], device: torch.device) -> StackedParameters:
+    """Each parameter of the K models stacked along a new first axis, then moved to ``device`` once
+    (stacked where the models are: a model moved first would mix devices in the stack)."""
     per_model = [dict(m.named_parameters()) for m in models]
     return {name: torch.stack([p[name].detach() for p in per_model]).to(device) for name in per_model[0]}
 
 
-def _write_back(models: Sequence[nn.Module], stacked: dict[str, torch.Tensor]) -> None:
+def write_back(models: Sequence[nn.Module], stacked: StackedParameters) -> None:
+    """Row k of every stacked parameter into ``models[k]`` (which stay where they are)."""
+    host = {name: tensor.cpu() for name, tensor in stacked.items()}  # one copy per name, not per model
     with torch.no_grad():
         for k, model in enumerate(models):
             for name, parameter in model.named_parameters():
-                parameter.copy_(stacked[name][k].cpu())
+                parameter.copy_(host[name][k])
 
 
 class StackedOptimizer:
-    """SGD or Adam over stacked parameters, in torch's single-tensor formulas (see the module's
-    docstring); ``update`` steps the clients ``rows`` (all when None), leaving the others as they are."""
+    """torch's SGD or Adam over stacked parameters (see the module's docstring); ``update`` steps the
+    clients ``rows`` (all when None), leaving the others as they are."""
 
-    def __init__(self, params: dict[str, torch.Tensor], settings: TrainSettings) -> None:
+    def __init__(self, params: StackedParameters, settings: TrainSettings, names: Sequence[str]) -> None:
+        if settings.optimizer not in STACKED_OPTIMIZERS:
+            raise ValueError(f"the stacked trainer knows the optimizers {STACKED_OPTIMIZERS}, not {settings.optimizer!r}")
         self.settings = settings
+        self.names = list(names)
         self.adam = settings.optimizer == "adam"
+        device = next(iter(params.values())).device
+        self.fused = device.type in FUSED_DEVICES
         self.state: dict[str, list[torch.Tensor]] = {}
         if self.adam:
-            self.state = {n: [torch.zeros_like(p), torch.zeros_like(p)] for n, p in params.items()}
+            self.state = {n: [torch.zeros_like(params[n]), torch.zeros_like(params[n])] for n in self.names}
         elif settings.momentum != 0:
-            self.state = {n: [torch.zeros_like(p)] for n, p in params.items()}
+            self.state = {n: [torch.zeros_like(params[n])] for n in self.names}
 
-    def update(
-        self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], step: int, rows: torch.Tensor | None
-    ) -> None:
-        """Step ``step`` (1-based; the same for every client taking part) of the clients ``rows``."""
-        for name, grad in grads.items():
-            param = params[name] if rows is None else params[name][rows]
-            state = [s if rows is None else s[rows] for s in self.state.get(name, [])]
+    def update(self, params: StackedParameters, grads: Sequence[torch.Tensor], steps_before: torch.Tensor,
+               rows: torch.Tensor | None) -> None:
+        """One step of the clients ``rows`` (all when None); ``steps_before`` (a device scalar) is
+        how many steps each of them has taken (the same for all)."""
+        gather = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        current = [gather(params[n]) for n in self.names]
+        state = {n: [gather(s) for s in self.state.get(n, [])] for n in self.names}
+        grads = [g.contiguous() for g in grads]  # the fused kernels assume a parameter's own layout
+        s = self.settings
+        with torch.no_grad():
             if self.adam:
-                self._adam(param, grad, state, step)
+                beta1, beta2 = ADAM_BETAS
+                adam_step(current, grads, [state[n][0] for n in self.names], [state[n][1] for n in self.names], [],
+                          [steps_before.clone() for _ in self.names], fused=self.fused, foreach=None if self.fused else True,
+                          amsgrad=False, beta1=beta1, beta2=beta2, lr=s.lr, weight_decay=s.weight_decay, eps=ADAM_EPS,
+                          maximize=False)
             else:
-                self._sgd(param, grad, state, step)
+                buffers = [state[n][0] for n in self.names] if s.momentum != 0 else [None] * len(self.names)
+                self._sgd(current, grads, buffers, steps_before)
             if rows is not None:  # the rows were gathered copies: put them back
-                params[name].index_copy_(0, rows, param)
-                for full, part in zip(self.state.get(name, []), state):
-                    full.index_copy_(0, rows, part)
+                for n, part in zip(self.names, current):
+                    params[n].index_copy_(0, rows, part)
+                    for full, part_state in zip(self.state.get(n, []), state[n]):
+                        full.index_copy_(0, rows, part_state)
 
-    def _sgd(self, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], step: int) -> None:
+    def _sgd(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list, steps_before: torch.Tensor) -> None:
+        """torch.optim.SGD's step (dampening 0, no Nesterov); its first momentum buffer is a copy of
+        the gradient, which a buffer of zeros times ``momentum`` plus the gradient is in every bit."""
         s = self.settings
         if s.weight_decay != 0:
-            grad = grad.add(param, alpha=s.weight_decay)
+            grads = torch._foreach_add(grads, params, alpha=s.weight_decay)
         if s.momentum != 0:
-            (buf,) = state
-            if step == 1:  # torch: the first buffer is a copy of the gradient
-                buf.copy_(grad)
-            else:
-                buf.mul_(s.momentum).add_(grad)  # dampening 0
-            grad = buf
-        param.add_(grad, alpha=-s.lr)
+            # buf = momentum * buf + grad; at the first step buf is 0, so buf becomes grad exactly
+            torch._foreach_mul_(buffers, s.momentum)
+            torch._foreach_add_(buffers, grads)
+            grads = buffers
+        torch._foreach_add_(params, grads, alpha=-s.lr)
 
-    def _adam(self, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], step: int) -> None:
-        s = self.settings
-        beta1, beta2 = ADAM_BETAS
-        exp_avg, exp_avg_sq = state
-        if s.weight_decay != 0:
-            grad = grad.add(param, alpha=s.weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = s.lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(ADAM_EPS)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+def _schedule_on_device(
+    schedules: Sequence[Sequence[torch.Tensor]], offsets: Sequence[int], device: torch.device
+) -> list[list[tuple[torch.Tensor, torch.Tensor | None, list[int]]]]:
+    """For every step, the groups of clients taking part with equal batch sizes: ``(index [k, b]
+    into the concatenated data, rows [k] or None for everyone, the clients as ints)``, every tensor
+    built on the CPU and copied to ``device`` in one transfer."""
+    num_clients = len(schedules)
+    plan: list[list[tuple[torch.Tensor, list[int] | None, list[int]]]] = []
+    pieces: list[torch.Tensor] = []
+    for step in range(max((len(s) for s in schedules), default=0)):
+        groups: dict[int, list[int]] = {}
+        for k, schedule in enumerate(schedules):
+            if step < len(schedule):
+                groups.setdefault(len(schedule[step]), []).append(k)
+        step_plan = []
+        for clients in groups.values():
+            pieces.append(torch.stack([schedules[k][step] + int(offsets[k]) for k in clients]).flatten())
+            everyone = len(clients) == num_clients
+            if not everyone:
+                pieces.append(torch.tensor(clients, dtype=torch.long))
+            step_plan.append((len(clients), everyone, clients))
+        plan.append(step_plan)
+    flat = torch.cat(pieces).to(device) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+    out, at = [], 0
+    for step_plan in plan:
+        groups_out = []
+        for count, everyone, clients in step_plan:
+            size = count * len(schedules[clients[0]][len(out)])
+            index = flat[at : at + size].view(count, -1)
+            at += size
+            rows = None
+            if not everyone:
+                rows = flat[at : at + count]
+                at += count
+            groups_out.append((index, rows, clients))
+        out.append(groups_out)
+    return out
+
+
+def train_steps(
+    template: nn.Module,
+    params: StackedParameters,
+    data: Sequence[ClientBatchData],
+    settings: TrainSettings,
+    generators: Sequence[torch.Generator],
+    device: torch.device,
+    objective: Objective = PLAIN,
+) -> torch.Tensor:
+    """Train the stacked ``params`` in place on ``device``; return each client's mean batch loss as a
+    device tensor ``[K]`` (NaN for a client without a step). Nothing is read back to the host."""
+    forward = stacked_forward(template)
+    names = list(params)
+    trainable = objective.trainable(names)
+    schedules = [batch_schedule(len(d.y), settings, g) for d, g in zip(data, generators)]
+    offsets, total = [], 0
+    for d in data:
+        offsets.append(total)
+        total += len(d.y)
+    plan = _schedule_on_device(schedules, offsets, device)
+    x_all = torch.cat([RESIDENT.on(d.x, device) for d in data])
+    y_all = torch.cat([RESIDENT.on(d.y, device) for d in data])
+    num_clients = len(data)
+    loss_sums = torch.zeros(num_clients, device=device)
+    step_counts = torch.tensor([float(len(s)) for s in schedules]).to(device)
+    steps_before = torch.arange(len(plan), dtype=torch.float32).to(device)
+    optimizer = StackedOptimizer(params, settings, trainable)
+    start = {n: params[n].clone() for n in names} if objective.terms else None
+    penalty = vmap(objective.penalty) if objective.terms else None
+    for step, groups in enumerate(plan):
+        for index, rows, _ in groups:
+            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+            current = {n: pick(params[n]).requires_grad_(n in trainable) for n in names}
+            logits = forward(current, x_all[index])
+            count, batch = index.shape
+            losses = nn.functional.cross_entropy(
+                logits.reshape(count * batch, -1), y_all[index].reshape(-1), reduction="none"
+            ).view(count, batch).mean(dim=1)
+            if penalty is not None:
+                losses = losses + penalty(current, {n: pick(start[n]) for n in names})
+            grads = torch.autograd.grad(losses.sum(), [current[n] for n in trainable])
+            optimizer.update(params, grads, steps_before[step], rows)
+            if rows is None:
+                loss_sums += losses.detach()
+            else:
+                loss_sums.index_add_(0, rows, losses.detach())
+    return loss_sums / step_counts
 
 
 def train_stacked(
@@ -142,69 +312,56 @@ def train_stacked(
     settings: TrainSettings,
     generators: Sequence[torch.Generator],
     device: torch.device,
+    objective: Objective = PLAIN,
 ) -> list[float]:
     """:func:`fedcluster_flwr.training.train` for every ``models[k]`` on ``data[k]`` with
-    ``generators[k]``, all at once; the models are updated in place (they stay on the CPU) and each
-    client's mean batch loss is returned, as ``train`` returns it."""
-    template = models[0].to(device).train()
-    params = _stack_parameters(models, device)
-    optimizer = StackedOptimizer(params, settings)
-    schedules = [batch_schedule(len(d.y), settings, g) for d, g in zip(data, generators)]
-    offsets = np.cumsum([0] + [len(d.y) for d in data[:-1]])
-    x_all = torch.cat([d.x for d in data]).to(device)
-    y_all = torch.cat([d.y for d in data]).to(device)
-    num_steps = max((len(s) for s in schedules), default=0)
-    losses = torch.full((num_steps, len(models)), float("nan"), device=device)
+    ``generators[k]``, all at once; the models are updated in place (they stay where they are) and
+    each client's mean batch loss is returned, as ``train`` returns it."""
+    params = stack_parameters(models, device)
+    mean_losses = train_steps(models[0], params, data, settings, generators, device, objective)
+    write_back(models, params)
+    return [float(v) for v in mean_losses.cpu().tolist()]
 
-    def loss_of(p: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(functional_call(template, p, (xb,)), yb)
 
-    step_all = vmap(grad_and_value(loss_of))
-    for step in range(num_steps):
-        taking_part: dict[int, list[int]] = {}  # batch size -> clients whose step-th batch has it
-        for k, schedule in enumerate(schedules):
-            if step < len(schedule):
-                taking_part.setdefault(len(schedule[step]), []).append(k)
-        for clients in taking_part.values():
-            index = torch.stack([schedules[k][step] + int(offsets[k]) for k in clients]).to(device)
-            everyone = len(clients) == len(models)
-            rows = None if everyone else torch.tensor(clients, device=device)
-            p = params if everyone else {n: v[rows] for n, v in params.items()}
-            grads, loss = step_all(p, x_all[index], y_all[index])
-            optimizer.update(params, grads, step + 1, rows)
-            losses[step, clients if not everyone else slice(None)] = loss.detach()
-    template.cpu()
-    _write_back(models, params)
-    table = losses.cpu()
-    return [
-        float(np.mean(table[: len(schedules[k]), k].tolist())) if schedules[k] else float("nan")
-        for k in range(len(models))
-    ]
+EVALUATION_SAMPLES = 4096  # samples (over all clients of a stack) per forward pass of an evaluation
 
 
 @torch.no_grad()
+def evaluation_sums(
+    template: nn.Module, params: StackedParameters, data: Sequence[ClientBatchData], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each client's summed cross-entropy (float64) and number of correct predictions on its own
+    samples, as device tensors ``[K]``: the clients' samples padded to the largest count, in slices
+    of at most :data:`EVALUATION_SAMPLES` samples over all clients (padding counts in neither)."""
+    forward = stacked_forward(template)
+    counts = [len(d.y) for d in data]
+    longest = max(counts, default=0)
+    num_clients = len(data)
+    loss_sums = torch.zeros(num_clients, dtype=torch.float64, device=device)
+    correct = torch.zeros(num_clients, dtype=torch.long, device=device)
+    if longest == 0:
+        return loss_sums, correct
+    x = torch.zeros((num_clients, longest, *data[0].x.shape[1:]), dtype=data[0].x.dtype, device=device)
+    y = torch.zeros((num_clients, longest), dtype=torch.long, device=device)
+    for k, d in enumerate(data):
+        x[k, : counts[k]], y[k, : counts[k]] = RESIDENT.on(d.x, device), RESIDENT.on(d.y, device)
+    valid = (torch.arange(longest) < torch.tensor(counts)[:, None]).to(device)
+    step = max(1, EVALUATION_SAMPLES // num_clients)
+    for start in range(0, longest, step):
+        xb, yb, vb = x[:, start : start + step], y[:, start : start + step], valid[:, start : start + step]
+        logits = forward(params, xb)
+        losses = nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none").view(yb.shape)
+        loss_sums += (losses.double() * vb).sum(dim=1)
+        correct += ((logits.argmax(dim=2) == yb) & vb).sum(dim=1)
+    return loss_sums, correct
+
+
 def evaluate_stacked(
     models: Sequence[nn.Module], data: Sequence[ClientBatchData], device: torch.device
 ) -> list[tuple[float, float]]:
     """:func:`fedcluster_flwr.training.evaluate` (mean cross-entropy, accuracy) for every
-    ``models[k]`` on ``data[k]``, in one forward pass over the clients' samples padded to the
-    largest client's count (padding counts in neither the loss nor the accuracy)."""
-    template = models[0].to(device).eval()
-    params = _stack_parameters(models, device)
+    ``models[k]`` on ``data[k]``, all at once."""
+    loss_sums, correct = evaluation_sums(models[0], stack_parameters(models, device), data, device)
     counts = [len(d.y) for d in data]
-    longest = max(counts, default=0)
-    if longest == 0:
-        template.cpu()
-        return [(0.0, 0.0)] * len(models)
-    x = torch.zeros((len(models), longest, *data[0].x.shape[1:]), dtype=data[0].x.dtype)
-    y = torch.zeros((len(models), longest), dtype=torch.long)
-    for k, d in enumerate(data):
-        x[k, : counts[k]], y[k, : counts[k]] = d.x, d.y
-    x, y = x.to(device), y.to(device)
-    valid = (torch.arange(longest) < torch.tensor(counts)[:, None]).to(device)
-    logits = vmap(lambda p, xb: functional_call(template, p, (xb,)))(params, x)
-    losses = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(len(models), longest)
-    loss_sums = (losses * valid).sum(dim=1).double().cpu().tolist()
-    correct = ((logits.argmax(dim=2) == y) & valid).sum(dim=1).cpu().tolist()
-    template.cpu()
-    return [(loss_sums[k] / max(n, 1), correct[k] / max(n, 1)) for k, n in enumerate(counts)]
+    losses, hits = loss_sums.cpu().tolist(), correct.cpu().tolist()
+    return [(losses[k] / max(n, 1), hits[k] / max(n, 1)) for k, n in enumerate(counts)]
