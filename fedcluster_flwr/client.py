@@ -6,7 +6,8 @@ up the handler registered for its task and packs the handler's reply in the orde
 declares. Handlers here:
 
 * ``train``: load the one model received, train it locally (``client.epochs``, or the
-  instruction's ``epochs``, e.g. a gossip client's pretraining), return it.
+  instruction's ``epochs``, e.g. a gossip client's pretraining) on the instruction's local
+  ``objective`` (cross-entropy alone when it names none; see :func:`local_objective`), return it.
 * ``evaluate``: test the received model on the client's own test split (and its validation
   split, where it holds one).
 
@@ -29,8 +30,8 @@ from flwr.common import NDArrays, Scalar
 from torch import nn
 
 from . import protocol, registry
-from .protocol import ACCURACY, EPOCHS_KEY, EVALUATE, MODEL, MODELS, TRAIN, TRAIN_LOSS, VAL_LOSS, Task
-from .training import LocalCompute, TrainSettings, get_weights, set_weights
+from .protocol import ACCURACY, EPOCHS_KEY, EVALUATE, MODEL, MODELS, OBJECTIVE_KEY, TRAIN, TRAIN_LOSS, VAL_LOSS, Task
+from .training import PLAIN, LocalCompute, Objective, TrainSettings, get_weights, set_weights
 
 
 class SimulatedClientFailure(RuntimeError):
@@ -161,12 +162,14 @@ class ClusterClient(NumPyClient):
         set_weights(model, arrays, assign=True)
         return model
 
-    def train_model(self, model: nn.Module, server_round: int, epochs: int | None = None) -> float:
-        """Local training of ``model`` with this round's seed (for ``epochs``, default the client's
-        own ``client.epochs``); returns the mean batch loss."""
+    def train_model(
+        self, model: nn.Module, server_round: int, epochs: int | None = None, objective: Objective = PLAIN
+    ) -> float:
+        """Local training of ``model`` on ``objective`` with this round's seed (for ``epochs``,
+        default the client's own ``client.epochs``); returns the mean batch loss."""
         generator = torch.Generator().manual_seed(round_seed(self.seed, server_round, self.pid))
         settings = self.settings if epochs is None else replace(self.settings, epochs=epochs)
-        return self.compute.train(model, self.data.x_train, self.data.y_train, settings, generator, self.device)
+        return self.compute.train(model, self.data.x_train, self.data.y_train, settings, generator, self.device, objective)
 
     def evaluate_model(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""
@@ -180,12 +183,34 @@ class ClusterClient(NumPyClient):
         return len(self.data.y_train)
 
 
+def local_objective(config: Mapping[str, Scalar]) -> Objective:
+    """The objective an instruction names (``objective``: registered names, comma-separated, each
+    built from its own scalars in ``config``; several combine: their terms add up, their frozen
+    layers join); cross-entropy alone when it names none."""
+    names = [n.strip() for n in str(config.get(OBJECTIVE_KEY, "")).split(",") if n.strip()]
+    terms: list = []
+    frozen: list[str] = []
+    for name in names:
+        found = registry.objective_builder(name)
+        if found is None:
+            raise protocol.ProtocolError(f"objective {name!r} is unknown; this client knows {', '.join(registry.OBJECTIVES) or 'none'}")
+        keys, build = found
+        missing = [key for key in keys if key not in config]
+        if missing:
+            raise protocol.ProtocolError(f"objective {name!r} needs the instruction scalars {missing}")
+        built = build(config)
+        terms += built.terms
+        frozen += [prefix for prefix in built.frozen if prefix not in frozen]
+    return Objective(tuple(terms), tuple(frozen)) if names else PLAIN
+
+
 @registry.handles(TRAIN)
 def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     (arrays,) = inputs.blocks[MODELS]
     model = client.load_model(arrays)
     epochs = inputs.config.get(EPOCHS_KEY)
-    loss = client.train_model(model, inputs.server_round, None if epochs is None else int(epochs))
+    objective = local_objective(inputs.config)
+    loss = client.train_model(model, inputs.server_round, None if epochs is None else int(epochs), objective)
     return TaskOutput({MODEL: get_weights(model)}, client.num_train, {TRAIN_LOSS: loss})
 
 

@@ -15,7 +15,8 @@ The two tasks every algorithm uses:
 task               sends                                reply arrays                        reply metrics
 =================  ===================================  ==================================  ===========================
 ``train``          ``models`` (1), ``epochs``           ``model``                           ``train_loss``
-                   (optional)
+                   (optional), ``objective``
+                   (optional) and its scalars
 ``evaluate``       ``models`` (1)                       –                                   ``accuracy`` in [0, 1]
                                                                                              (+ finite ``val_loss``)
 =================  ===================================  ==================================  ===========================
@@ -48,6 +49,9 @@ TASK_KEY = "task"
 ROUND_KEY = "round"
 LAYOUT_KEY = "layout"
 EPOCHS_KEY = "epochs"  # train (optional): local epochs instead of the client's own (client.epochs), e.g. pretraining
+# train (optional): the local objectives to train on, comma-separated registered names (registry.objective),
+# e.g. "proximal"; each objective's own scalars (e.g. "mu") travel beside it
+OBJECTIVE_KEY = "objective"
 
 # Properties a client reports once (``get_properties``), so the server learns who it is.
 PARTITION_ID = "partition_id"

@@ -3,6 +3,9 @@ for a task. Nothing here lists a method: each family registers itself when it is
 
 * A strategy class registers with :func:`register` (its ``name`` is what ``strategy.name`` says).
 * A client task's handler registers with :func:`handles` (``@handles(SOME_TASK)``).
+* A local objective registers with :func:`objective` (``@objective("proximal", config=("mu",))``):
+  the ``train`` task's ``objective`` names it, and the client builds it from the instruction's
+  scalars (:class:`fedcluster_flwr.training.Objective`: the terms every engine adds to the loss).
 
 :func:`load_families` imports every family once, on first need (a config naming a strategy, a
 client receiving a task it has no handler for):
@@ -33,6 +36,7 @@ from .schema import ConfigError
 
 if TYPE_CHECKING:
     from .protocol import Task
+    from .training import Objective
 
 ENTRY_POINT_GROUP = "fedcluster_flwr.algorithms"
 FAMILIES_VARIABLE = "FEDCLUSTER_ALGORITHMS"
@@ -41,8 +45,11 @@ SHARED_PACKAGES = ("base",)  # subpackages of BUILT_IN that are code the familie
 
 Handler = Callable[..., Any]  # (client.ClusterClient, client.TaskInput) -> client.TaskOutput
 
+ObjectiveBuilder = Callable[..., Any]  # (instruction config) -> training.Objective
+
 STRATEGIES: dict[str, type] = {}  # strategy name -> strategy class
 HANDLERS: dict[str, tuple[Task, Handler]] = {}  # task name -> (task, its handler)
+OBJECTIVES: dict[str, tuple[tuple[str, ...], ObjectiveBuilder]] = {}  # objective name -> (its config keys, builder)
 _loaded: set[str] = set()  # the family modules imported so far
 _scanned = False  # whether the shipped families and the entry points were loaded
 _lock = threading.RLock()  # a batched run's client threads may load the families for a task at once
@@ -80,6 +87,28 @@ def handles(task: Task) -> Callable[[Handler], Handler]:
         return handler
 
     return register_handler
+
+
+def objective(name: str, config: tuple[str, ...] = ()) -> Callable[[ObjectiveBuilder], ObjectiveBuilder]:
+    """Register the decorated function ``(instruction config) -> Objective`` as the local objective
+    ``name``; ``config``: the instruction scalars it reads (a ``train`` instruction naming it must
+    carry them)."""
+
+    def register_objective(builder: ObjectiveBuilder) -> ObjectiveBuilder:
+        taken = OBJECTIVES.get(name)
+        if taken is not None and taken[1] is not builder:
+            raise ValueError(f"objective {name!r} is built by {_where(taken[1])}; {_where(builder)} needs another name")
+        OBJECTIVES[name] = (tuple(config), builder)
+        return builder
+
+    return register_objective
+
+
+def objective_builder(name: str) -> tuple[tuple[str, ...], ObjectiveBuilder] | None:
+    """The (config keys, builder) registered as objective ``name``, importing the families first if needed."""
+    if name not in OBJECTIVES:
+        load_families()
+    return OBJECTIVES.get(name)
 
 
 def load_families() -> None:

@@ -75,6 +75,7 @@ HOOKS = (
     "fit_instructions",  # who works this round, on which task (required)
     "absorb",  # take the round's replies (default: FedAvg inside each cluster)
     "phase",  # the name of a round's phase in rounds.jsonl
+    "local_objective",  # what the clients' local training minimises (train instructions)
     "unassigned_model",  # what a client without a cluster is evaluated on
     "round_metrics",  # the algorithm's entries of a round's row
     "summary",  # the algorithm's entries of summary.json
@@ -192,6 +193,12 @@ class ClusteredStrategy(Strategy):
         """Name of the algorithm's phase in ``server_round`` (recorded per round)."""
         return self.name
 
+    def local_objective(self) -> Mapping[str, Scalar]:
+        """The scalars every ``train`` instruction of :meth:`train_cluster_models` carries to name the
+        clients' local objective (``objective`` and its own keys, see
+        :func:`fedcluster_flwr.registry.objective`); none by default: cross-entropy alone."""
+        return {}
+
     def unassigned_model(self) -> NDArrays:
         """The model a client without a cluster (``UNASSIGNED``) is evaluated on, counted under
         ``unassigned``: by default the lowest-numbered cluster's."""
@@ -271,7 +278,9 @@ class ClusteredStrategy(Strategy):
         instructions = []
         for pid in pids:
             cluster = int(self.assignment[pid])
-            instructions.append(Instruction(pid, TRAIN, {MODELS: [self.models[cluster]]}, clusters=(cluster,)))
+            instructions.append(
+                Instruction(pid, TRAIN, {MODELS: [self.models[cluster]]}, self.local_objective(), clusters=(cluster,))
+            )
         return instructions
 
     def per_cluster_training(self, online: Sequence[int], fraction: float) -> list[Instruction]:
