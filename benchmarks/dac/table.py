@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.config import load_config
+from fedcluster_flwr.config import load_config, parse_override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
 from tables import TableRun, add_table_arguments, main_loop  # noqa: E402
@@ -52,14 +52,15 @@ PAPER = {
 }
 
 
-def table_runs(rounds: int | None = None) -> list[TableRun]:
-    """Every run, in the order the table advances them."""
+def table_runs(rounds: int | None = None, extra: list[tuple[str, object]] | None = None) -> list[TableRun]:
+    """Every run, in the order the table advances them (``rounds``, ``extra``: a trial of the
+    command at other settings, e.g. the GPU script's CPU dry run; never the table's own runs)."""
     order = [(setting, seed) for seed in SEEDS for setting in SETTINGS]
     runs = []
     for setting, seed in order:
         conf, methods = SETTINGS[setting]
         for method in methods:
-            items = [("strategy.name", method), ("seed", seed)] + ([("rounds", rounds)] if rounds else [])
+            items = [("strategy.name", method), ("seed", seed)] + ([("rounds", rounds)] if rounds else []) + (extra or [])
             config, _ = load_config(ROOT / "conf" / conf, items)
             runs.append(TableRun(f"{setting}_{method}_seed{seed}", config,
                                  {"setting": setting, "method": method, "seed": seed}))
@@ -119,8 +120,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_table_arguments(parser)
     parser.add_argument("--rounds", type=int, default=None, help="fewer rounds (a trial of the command, not the table)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every run (a trial of the command, not the table: give --runs-dir and --results-dir)")
     args = parser.parse_args()
-    return main_loop(table_runs(args.rounds), args, "dac", RESULTS, render)
+    if (args.rounds or args.set) and not (args.runs_dir and args.results_dir):
+        parser.error("--rounds and --set make other runs than the table's: give --runs-dir and --results-dir too")
+    return main_loop(table_runs(args.rounds, [parse_override(item) for item in args.set]), args, "dac", RESULTS, render)
 
 
 if __name__ == "__main__":
