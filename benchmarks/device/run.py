@@ -35,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FEDCLUSTER_SYNC_DEBUG", "warn")  # a host sync inside the stacked step loop is logged on a GPU
 
 from fedcluster_flwr.config import load_config, parse_override  # noqa: E402
 from fedcluster_flwr.engines.inprocess import run_in_process  # noqa: E402

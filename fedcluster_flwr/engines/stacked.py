@@ -36,9 +36,11 @@ order), not bit for bit. No ``flwr`` import here: this is the engine's arithmeti
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -286,6 +288,32 @@ def train_steps(
     optimizer = StackedOptimizer(params, settings, trainable)
     start = {n: params[n].clone() for n in names} if objective.terms else None
     penalty = vmap(objective.penalty) if objective.terms else None
+    with host_sync_check(device):
+        _run_plan(forward, params, names, trainable, plan, x_all, y_all, optimizer, steps_before, loss_sums, start, penalty)
+    return loss_sums / step_counts
+
+
+SYNC_DEBUG_VARIABLE = "FEDCLUSTER_SYNC_DEBUG"  # "error" or "warn": torch.cuda.set_sync_debug_mode in the step loop
+
+
+@contextlib.contextmanager
+def host_sync_check(device: torch.device) -> Iterator[None]:
+    """On a GPU, with ``$FEDCLUSTER_SYNC_DEBUG`` set (``error`` or ``warn``; the device script sets
+    it), make torch raise or warn on any operation that waits for the GPU inside the step loop."""
+    mode = os.environ.get(SYNC_DEBUG_VARIABLE)
+    if device.type != "cuda" or not mode:
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+def _run_plan(forward, params, names, trainable, plan, x_all, y_all, optimizer, steps_before, loss_sums, start, penalty):
+    """The step loop of :func:`train_steps` (nothing in it reads the device back)."""
     for step, groups in enumerate(plan):
         for index, rows, _ in groups:
             pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
@@ -303,7 +331,6 @@ def train_steps(
                 loss_sums += losses.detach()
             else:
                 loss_sums.index_add_(0, rows, losses.detach())
-    return loss_sums / step_counts
 
 
 def train_stacked(
