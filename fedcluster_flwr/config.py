@@ -270,7 +270,8 @@ def load_config(
     try:
         config, notes = build_config(apply_overrides(raw, overrides), overrides if strict else ())
     except ConfigError as err:
-        if swap is None or not err.key.startswith("strategy.") or isinstance(err, ForeignOptionError):
+        given = any(key == err.key for key, _ in overrides)  # the command gave it: no hint to give it
+        if swap is None or given or not err.key.startswith("strategy.") or isinstance(err, ForeignOptionError):
             raise
         raise ConfigError(err.key, f"{err.message} ({swap.hint(err.key)})") from None
     return config, ([swap.note()] if swap is not None and swap.dropped else []) + notes

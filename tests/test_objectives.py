@@ -127,7 +127,8 @@ def test_a_frozen_layer_that_names_nothing_is_an_error_not_a_silent_no_op():
         train(model, data.x, data.y, SGD, torch.Generator().manual_seed(0), CPU, Objective(frozen=("convs",)))
 
 
-def test_a_negative_mu_names_its_key():
+def test_a_negative_mu_names_its_key_and_no_hint_to_give_what_the_command_gave():
     with pytest.raises(ConfigError) as error:
         load_config(DEFAULT_CONFIG, [("strategy.name", "fedprox"), ("strategy.mu", -0.5)], strict=True)
     assert error.value.key == "strategy.mu"
+    assert "in the same command" not in str(error.value)  # strategy.mu was given in that very command
