@@ -257,12 +257,18 @@ def check_strategy_names(run_dir: Path, state: Mapping[str, Any], configured: st
     others are named. ``note`` follows the checkpoint's strategy (e.g. that it no longer exists)."""
     state_path, config_path = Path(run_dir) / "checkpoint" / "state.json", Path(run_dir) / "config.yaml"
     written_by = state["strategy"].get("strategy")
-    if written_by is None or written_by == configured:
-        return
     try:
         recorded = read_summary(run_dir).get("strategy")
     except DamagedRunError:
         recorded = None
+    if written_by is None or written_by == configured and recorded in (None, configured):
+        return
+    never = "a checkpoint is never continued under another strategy's name"
+    if written_by == configured:
+        raise DamagedRunError(
+            Path(run_dir) / "summary.json", f"records that the run was {recorded}, but its config.yaml and checkpoint/state.json "
+            f"name {configured}: both were edited (restore them), or summary.json was ({never})"
+        )
     if recorded == written_by:
         raise DamagedRunError(
             config_path, f"strategy.name is {configured}, but the checkpoint was written by {written_by}{note}: "
@@ -271,13 +277,12 @@ def check_strategy_names(run_dir: Path, state: Mapping[str, Any], configured: st
     if recorded == configured:
         raise DamagedRunError(
             state_path, f"names strategy {written_by}{note}, but the run's config.yaml and summary.json name {configured}: "
-            "the checkpoint was edited or comes from another run; put the run's own checkpoint/ back "
-            "(a checkpoint is never continued under another strategy's name)"
+            f"the checkpoint was edited or comes from another run; put the run's own checkpoint/ back ({never})"
         )
     summary = f"summary.json names {recorded}" if isinstance(recorded, str) else "summary.json does not say which ran"
     raise DamagedRunError(
         config_path, f"strategy.name is {configured}, but {state_path} names {written_by}{note} and {summary}: "
-        "restore the edited file, or start a new run (a checkpoint is never continued under another strategy's name)"
+        f"restore the edited file, or start a new run ({never})"
     )
 
 
