@@ -92,19 +92,16 @@ def claim_run_dir(run_dir: Path, key: str = "") -> None:
     it; nothing is written then."""
     run_dir = Path(run_dir)
     claim = run_dir / CLAIM_FILE
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunFolderTaken(run_dir, "is a file, expected a folder; give a new directory", key)
-    if run_dir.is_dir() and any(p.name != CLAIM_FILE for p in run_dir.iterdir()):
-        raise RunFolderTaken(run_dir, "already holds files; give a new directory (results are never overwritten)", key)
-    if claim.is_file():
+    if claim.is_file() and not _holds_run_files(run_dir):
         mine = _claimant(run_dir)
         if mine.get("host") == socket.gethostname() and mine.get("pid") in (os.getpid(), os.getppid()):
             return
-        raise RunFolderTaken(run_dir, _taken_message(run_dir), key)
+    check_run_dir_free(run_dir, key)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except FileExistsError:
+        check_run_dir_free(run_dir, key)  # raises, saying what the run that claimed it first has written
         raise RunFolderTaken(run_dir, _taken_message(run_dir), key) from None
     except OSError as err:  # unwritable, a file on the way: nothing was written
         raise RunFolderTaken(run_dir, f"cannot be created or written ({err.strerror or err}); give another directory",
@@ -119,11 +116,40 @@ def claim_run_dir(run_dir: Path, key: str = "") -> None:
                              key) from None
 
 
+def check_run_dir_free(run_dir: Path, key: str = "") -> None:
+    """``run_dir`` can hold a new run: it is new, or an empty folder nobody claimed; else a
+    :class:`RunFolderTaken` saying what is there (nothing is written)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderTaken(run_dir, "is a file, expected a folder; give a new directory", key)
+    if _holds_run_files(run_dir):
+        raise RunFolderTaken(run_dir, "already holds files; give a new directory (results are never overwritten)", key)
+    if (run_dir / CLAIM_FILE).is_file():
+        raise RunFolderTaken(run_dir, _taken_message(run_dir), key)
+
+
+def _holds_run_files(run_dir: Path) -> bool:
+    return run_dir.is_dir() and any(p.name != CLAIM_FILE for p in run_dir.iterdir())
+
+
 def _taken_message(run_dir: Path) -> str:
     who = _claimant(run_dir)
     by = f" (pid {who['pid']} on {who.get('host')}, since {who.get('started')})" if "pid" in who else ""
+    if who.get("host") == socket.gethostname() and isinstance(who.get("pid"), int) and not _alive(who["pid"]):
+        return (f"was claimed by a run{by} that has ended without writing anything else (stopped while starting); "
+                f"give a new directory, or delete {run_dir / CLAIM_FILE} to use this one")
     return (f"claimed by another run{by}; give a new directory (a folder holds one run: of two runs started "
             "with one output folder, the first to claim it runs)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or not a pid we can ask about: assume it runs
+    return True
 
 
 def run_dir_name(strategy: str, dataset: str, partition: str) -> str:

@@ -46,7 +46,7 @@ from .config import config_to_dict, load_config, parse_override
 from .config_sections import ExperimentConfig
 from .engines.simulation import Job, check_ray_address, encode_job
 from .files import atomic_write
-from .recorder import RunFolderTaken, branch_run, claim_run_dir
+from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
 from .schema import ConfigError, require
 from .tracking import check_tracking
@@ -229,8 +229,8 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
     cluster that does not answer; then claim a fresh run's directory (recorder.claim_run_dir)."""
     from .experiment import configure_driver_torch, experiment_data
 
-    if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
-        raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
+    if not resuming:
+        check_run_dir_free(run_dir, "--out")  # what is there, before the data are loaded
     check_tracking(config.tracking)  # a missing tracker package: one line, before anything starts
     configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -310,6 +311,20 @@ def test_a_folder_claimed_by_another_run_is_refused_without_a_write(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{run_dir}: claimed by another run \(pid 1 on elsewhere, since 2026-01-01T00:00:00\)"):
         RunRecorder(run_dir).start({})
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_a_folder_claimed_by_a_run_that_ended_before_writing_says_so(tmp_path, capsys, monkeypatch):
+    """A run stopped between its claim and its first file (Ctrl-C while starting) leaves only the
+    hidden claim: the folder is refused, naming the claim to delete, not said to hold files."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    run_dir = tmp_path / "out"
+    run_dir.mkdir()
+    (run_dir / CLAIM_FILE).write_text(json.dumps({"pid": int(ended.stdout), "host": socket.gethostname(), "started": "T"}))
+    code, err = fedcluster(["run", str(DEFAULT_CONFIG), "--out", str(run_dir)], capsys, monkeypatch)
+    assert code == 2 and one_error_line(err) == (
+        f"error: --out: {run_dir} was claimed by a run (pid {int(ended.stdout)} on {socket.gethostname()}, since T) that has "
+        f"ended without writing anything else (stopped while starting); give a new directory, or delete "
+        f"{run_dir / CLAIM_FILE} to use this one")
 
 
 @pytest.mark.slow

@@ -180,7 +180,6 @@ def check_idx_files(name: str, raw: Path, root: Path) -> None:
     size is what its header promises, as many labels as images, and every label one of the
     dataset's classes (the label files are read whole: 70,000 bytes). Raises a :class:`DataError`
     naming the file and what is wrong with it (sizes in bytes: what it is, what it should be)."""
-    check_folders(name, root, raw.relative_to(root).parts)
     missing = [f for f in _IDX_FILES if not (raw / f).is_file()]
     if missing:
         raise DataError(_missing_data_message(name, raw, root, missing))

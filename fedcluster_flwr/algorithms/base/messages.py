@@ -89,7 +89,8 @@ class RoundMessages:
         self.train_sizes = train_sizes  # per partition: a reply claiming more examples is refused
         self._sent: dict[int, tuple[Instruction, Sent]] = {}
         self._answered: set[int] = set()  # clients whose fit reply of this round arrived
-        self._evaluating: set[int] = set()  # clients sent an evaluation this round, until their result arrives
+        self._evaluating: set[int] = set()  # clients sent an evaluation this round
+        self._evaluated: set[int] = set()  # ... whose result arrived
 
     @property
     def instructions(self) -> dict[int, Instruction]:
@@ -113,7 +114,7 @@ class RoundMessages:
         """One ``EvaluateIns`` per client, carrying the model it is evaluated with."""
         cache: protocol.SerializationCache = {}
         packed = []
-        self._evaluating = set(models)
+        self._evaluating, self._evaluated = set(models), set()
         for pid, model in models.items():
             params, config = _encode(Instruction(pid, EVALUATE, {MODELS: [model]}), server_round, cache)
             packed.append((pid, EvaluateIns(params, config)))
@@ -141,8 +142,10 @@ class RoundMessages:
         if pid is None:
             return "unknown client"
         if pid not in self._evaluating:
-            return "not asked to evaluate this round, or a second result in this round"
-        self._evaluating.discard(pid)
+            return "not asked to evaluate this round"
+        if pid in self._evaluated:
+            return "a second evaluation result in this round (a client answers once; its first was judged)"
+        self._evaluated.add(pid)
         if res.status.code != Code.OK:
             return f"status {res.status.code.name}"
         if not protocol.is_finite_number(res.loss):
