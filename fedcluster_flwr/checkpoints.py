@@ -3,7 +3,9 @@ and checked, and whether a run directory can be resumed from it.
 
 The two files carry their round, so a run stopped between writing them is detected when resuming;
 ``state.json`` carries a digest of its round's row in ``rounds.jsonl``, so a checkpoint copied in
-from another run is told apart.
+from another run is told apart. Three files name the run's strategy: ``config.yaml``,
+``state.json`` and ``summary.json`` (rewritten by the run after every round); where they
+disagree, the one that differs from the two others is named (:func:`check_strategy_names`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .files import written_aside
-from .run_files import DamagedRunError, RoundRow, read_rounds
+from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
 
 
 ROW_DIGEST = "row_digest"  # state.json: row_digest() of the checkpoint round's row in rounds.jsonl
@@ -244,6 +246,44 @@ def check_checkpoint_belongs(run_dir: Path, state: Mapping[str, Any], rows: Sequ
             f"belongs to another run: its round {done} is not the round {done} that {run_dir / 'rounds.jsonl'} records "
             "(copied in from another run?); put this run's checkpoint/ back, or resume the run it came from",
         )
+
+
+def check_strategy_names(run_dir: Path, state: Mapping[str, Any], configured: str, note: str = "") -> None:
+    """``config.yaml``'s ``strategy.name`` (``configured``), the checkpoint's ``state.json`` and
+    ``summary.json`` must name one strategy: a checkpoint is never continued under another
+    strategy's name. Where they disagree, the file that differs from the two others is named (an
+    edited ``state.json`` is blamed as such, not the ``config.yaml`` that agrees with the run's
+    summary); where no two agree (a summary written before it named its strategy), both of the
+    others are named. ``note`` follows the checkpoint's strategy (e.g. that it no longer exists)."""
+    state_path, config_path = Path(run_dir) / "checkpoint" / "state.json", Path(run_dir) / "config.yaml"
+    written_by = state["strategy"].get("strategy")
+    try:
+        recorded = read_summary(run_dir).get("strategy")
+    except DamagedRunError:
+        recorded = None
+    if written_by is None or written_by == configured and recorded in (None, configured):
+        return
+    never = "a checkpoint is never continued under another strategy's name"
+    if written_by == configured:
+        raise DamagedRunError(
+            Path(run_dir) / "summary.json", f"records that the run was {recorded}, but its config.yaml and checkpoint/state.json "
+            f"name {configured}: both were edited (restore them), or summary.json was ({never})"
+        )
+    if recorded == written_by:
+        raise DamagedRunError(
+            config_path, f"strategy.name is {configured}, but the checkpoint was written by {written_by}{note}: "
+            f"restore strategy.name: {written_by}, or start a new run (a branch cannot change the strategy either)"
+        )
+    if recorded == configured:
+        raise DamagedRunError(
+            state_path, f"names strategy {written_by}{note}, but the run's config.yaml and summary.json name {configured}: "
+            f"the checkpoint was edited or comes from another run; put the run's own checkpoint/ back ({never})"
+        )
+    summary = f"summary.json names {recorded}" if isinstance(recorded, str) else "summary.json does not say which ran"
+    raise DamagedRunError(
+        config_path, f"strategy.name is {configured}, but {state_path} names {written_by}{note} and {summary}: "
+        f"restore the edited file, or start a new run ({never})"
+    )
 
 
 def _ranges(numbers: Sequence[int]) -> str:

@@ -126,7 +126,7 @@ class ClusterClient(NumPyClient):
         return {protocol.PARTITION_ID: self.pid, protocol.NUM_PARTITIONS: self.num_partitions}
 
     def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        server_round = int(config[protocol.ROUND_KEY])
+        _, server_round, _ = protocol.instruction_header(config)  # a malformed instruction: one line naming the key
         if server_round in self.fail_rounds:
             raise SimulatedClientFailure(f"client {self.pid} fails in round {server_round} (simulation.fail_fit)")
         fault = self.faults.draw(server_round, self.pid)
@@ -143,14 +143,14 @@ class ClusterClient(NumPyClient):
         return output.loss, output.num_examples, dict(output.metrics)
 
     def _run(self, parameters: NDArrays, config: Mapping[str, Scalar]) -> tuple[Task, TaskOutput]:
-        name = config.get(protocol.TASK_KEY)
-        found = registry.handler(str(name))
+        name, server_round, layout = protocol.instruction_header(config)
+        found = registry.handler(name)
         if found is None:
             raise protocol.ProtocolError(f"task {name!r} is unknown; this client handles {', '.join(registry.HANDLERS)}")
         task, handler = found
-        blocks = protocol.unpack(parameters, config[protocol.LAYOUT_KEY])
+        blocks = protocol.unpack(parameters, layout)
         task.check_instruction(blocks, config)
-        return task, handler(self, TaskInput(int(config.get(protocol.ROUND_KEY, 0)), blocks, config))
+        return task, handler(self, TaskInput(server_round, blocks, config))
 
     # ---- what handlers share ----------------------------------------------------------------
 

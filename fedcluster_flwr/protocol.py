@@ -88,6 +88,22 @@ class ProtocolError(ValueError):
     """A message that does not follow the protocol (bad layout, missing block or key)."""
 
 
+def instruction_header(config: Mapping[str, Scalar]) -> tuple[str, int, str]:
+    """The task name, round and layout of an instruction's config (client side), checked: a key
+    that is missing or of the wrong kind is a one-line :class:`ProtocolError` naming it, before
+    any work (a round number steers the client's randomness, so a wrong one is never guessed)."""
+    missing = [key for key in (TASK_KEY, ROUND_KEY, LAYOUT_KEY) if key not in config]
+    if missing:
+        raise ProtocolError(f"instruction lacks {', '.join(map(repr, missing))} (got keys {', '.join(sorted(config))})")
+    task, server_round, layout = config[TASK_KEY], config[ROUND_KEY], config[LAYOUT_KEY]
+    if not is_int(server_round) or server_round < 1:
+        raise ProtocolError(f"instruction's {ROUND_KEY!r} must be a round number (an integer >= 1), got {server_round!r}")
+    if not isinstance(task, str) or not isinstance(layout, str):
+        key, value = (TASK_KEY, task) if not isinstance(task, str) else (LAYOUT_KEY, layout)
+        raise ProtocolError(f"instruction's {key!r} must be a string, got {value!r}")
+    return task, server_round, layout
+
+
 # ---- the codec ------------------------------------------------------------------------------
 
 Blocks = Mapping[str, Sequence[NDArrays]]  # block name -> items, each item a list of arrays

@@ -12,17 +12,25 @@ Layout (the results contract)::
     <run>/branch.json        a branch only: the run and round it continues, and the changed options
     <run>/tracking.json      with ``tracking:`` set: the tracker's run id, reopened on resume
     <run>/tensorboard/       with ``tracking: tensorboard``: the event files
+    <run>/.claimed           which process started the run (pid, host, time): its claim on the folder
 
 Each file is written atomically (temp file + rename), so an interrupted run never
 leaves a truncated file behind; the checkpoint's two files carry their round, so a
 run stopped between writing them is detected when resuming.
+
+A run folder holds one run: a fresh run (or a branch) first claims its folder by creating
+``.claimed`` with ``O_CREAT | O_EXCL``, which of two processes started together exactly one
+can do; the other is refused with a :class:`RunFolderTaken` naming the folder before it has
+written anything. The claim stays: a folder once claimed is a used folder.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -35,6 +43,7 @@ from .checkpoints import write_checkpoint
 from .files import atomic_write, written_aside
 from .plots import plot_rounds
 from .run_files import RoundRow, read_rounds
+from .schema import ConfigError
 from .tracking import TRACKING_FILE, Tracker, branch_record, check_tracking, open_tracker
 
 
@@ -49,6 +58,98 @@ def json_ready(value: Any) -> Any:
     if isinstance(value, (float, np.floating)):
         return None if not math.isfinite(value) else float(value)
     return value
+
+
+CLAIM_FILE = ".claimed"
+
+
+class RunFolderTaken(ConfigError):
+    """A run folder already holds a run, or another run claimed it first (one line, naming it;
+    under ``key``, the option that gave the folder, if given)."""
+
+    def __init__(self, run_dir: Path, message: str, key: str = "") -> None:
+        self.run_dir = run_dir
+        self.reason = message
+        if key:
+            super().__init__(key, f"{run_dir} {message}")
+        else:
+            super().__init__(str(run_dir), message)
+
+
+def _claimant(run_dir: Path) -> dict[str, Any]:
+    try:
+        claim = json.loads((run_dir / CLAIM_FILE).read_text())
+    except (OSError, ValueError):
+        return {}  # being written by its claimant this very moment, or damaged: not ours either way
+    return claim if isinstance(claim, dict) else {}
+
+
+def claim_run_dir(run_dir: Path, key: str = "") -> None:
+    """Make the new or empty folder ``run_dir`` this run's, atomically (see the module docstring).
+    A claim made by this process or by its parent (``fedcluster run`` claims the folder before it
+    starts the process that runs the rounds) is this run's own. Raises :class:`RunFolderTaken` (on
+    ``key``, the option that named the folder) if the folder holds files or another run claimed
+    it; nothing is written then."""
+    run_dir = Path(run_dir)
+    claim = run_dir / CLAIM_FILE
+    if claim.is_file() and not _holds_run_files(run_dir):
+        mine = _claimant(run_dir)
+        if mine.get("host") == socket.gethostname() and mine.get("pid") in (os.getpid(), os.getppid()):
+            return
+    check_run_dir_free(run_dir, key)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        check_run_dir_free(run_dir, key)  # raises, saying what the run that claimed it first has written
+        raise RunFolderTaken(run_dir, _taken_message(run_dir), key) from None
+    except OSError as err:  # unwritable, a file on the way: nothing was written
+        raise RunFolderTaken(run_dir, f"cannot be created or written ({err.strerror or err}); give another directory",
+                             key) from None
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                     "started": datetime.now().isoformat(timespec="seconds")}) + "\n")
+    except OSError as err:  # a full disk: the claim goes, the folder stays free
+        claim.unlink(missing_ok=True)
+        raise RunFolderTaken(run_dir, f"cannot be written ({err.strerror or err}); free space or give another directory",
+                             key) from None
+
+
+def check_run_dir_free(run_dir: Path, key: str = "") -> None:
+    """``run_dir`` can hold a new run: it is new, or an empty folder nobody claimed; else a
+    :class:`RunFolderTaken` saying what is there (nothing is written)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderTaken(run_dir, "is a file, expected a folder; give a new directory", key)
+    if _holds_run_files(run_dir):
+        raise RunFolderTaken(run_dir, "already holds files; give a new directory (results are never overwritten)", key)
+    if (run_dir / CLAIM_FILE).is_file():
+        raise RunFolderTaken(run_dir, _taken_message(run_dir), key)
+
+
+def _holds_run_files(run_dir: Path) -> bool:
+    return run_dir.is_dir() and any(p.name != CLAIM_FILE for p in run_dir.iterdir())
+
+
+def _taken_message(run_dir: Path) -> str:
+    who = _claimant(run_dir)
+    by = f" (pid {who['pid']} on {who.get('host')}, since {who.get('started')})" if "pid" in who else ""
+    if who.get("host") == socket.gethostname() and isinstance(who.get("pid"), int) and not _alive(who["pid"]):
+        return (f"was claimed by a run{by} that has ended without writing anything else (stopped while starting); "
+                f"give a new directory, or delete {run_dir / CLAIM_FILE} to use this one")
+    return (f"claimed by another run{by}; give a new directory (a folder holds one run: of two runs started "
+            "with one output folder, the first to claim it runs)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or not a pid we can ask about: assume it runs
+    return True
 
 
 def run_dir_name(strategy: str, dataset: str, partition: str) -> str:
@@ -71,11 +172,10 @@ class RunRecorder:
         self.tracker: Tracker | None = None  # `tracking:` (fedcluster_flwr.tracking), opened by start/resume
 
     def start(self, resolved_config: Mapping[str, Any]) -> None:
-        """Begin a run in an empty (or new) directory; never overwrite an earlier run."""
-        if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
-            raise FileExistsError(f"{self.run_dir} already holds files; results go to a new directory")
+        """Begin a run in an empty (or new) directory, claimed for it (:func:`claim_run_dir`);
+        never overwrite an earlier run, never share a folder with another."""
         check_tracking(str(resolved_config.get("tracking") or "none"))  # a missing package: nothing written
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(self.run_dir)
         atomic_write(self.run_dir / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))
         atomic_write(self.run_dir / "rounds.jsonl", "")
         self.write_summary({"finished": False, "completed_rounds": 0})
@@ -143,8 +243,7 @@ def branch_run(
     ``branch.json`` records where the branch came from; ``rounds.jsonl`` is cut back to the
     checkpoint when the branch resumes. Plots and a saved update matrix are not copied.
     """
-    if target.is_dir() and any(target.iterdir()):
-        raise FileExistsError(f"{target} already holds files; give a new directory (results are never overwritten)")
+    claim_run_dir(target)
     shutil.copytree(  # the source's tracker run is its own: the branch gets a link to it instead
         source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "updates.npy", ".*", TRACKING_FILE)
     )

@@ -41,12 +41,12 @@ from typing import Any, Protocol
 
 import yaml
 
-from .checkpoints import check_resumable, checkpoint_array_shape, checkpoint_round
+from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
 from .config import config_to_dict, load_config, parse_override
 from .config_sections import ExperimentConfig
 from .engines.simulation import Job, check_ray_address, encode_job
 from .files import atomic_write
-from .recorder import branch_run
+from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
 from .schema import ConfigError, require
 from .tracking import check_tracking
@@ -226,15 +226,17 @@ def _restore(handlers: dict[int, Any]) -> None:
 
 def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
     """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory, a Ray
-    cluster that does not answer."""
+    cluster that does not answer; then claim a fresh run's directory (recorder.claim_run_dir)."""
     from .experiment import configure_driver_torch, experiment_data
 
-    if not resuming and run_dir.is_dir() and any(run_dir.iterdir()):
-        raise ConfigError("--out", f"{run_dir} already holds files; give a new directory (results are never overwritten)")
+    if not resuming:
+        check_run_dir_free(run_dir, "--out")  # what is there, before the data are loaded
     check_tracking(config.tracking)  # a missing tracker package: one line, before anything starts
     configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)
     check_ray_address(config)
+    if not resuming:  # last: a mistake found above leaves no folder behind; a race on --out is lost here
+        claim_run_dir(run_dir, "--out")
 
 
 def no_checkpoint_error(run_dir: Path) -> ConfigError:
@@ -371,8 +373,8 @@ def continue_run(
         try:
             branch_run(continuation.source, run_dir, config_to_dict(config), continuation.completed_round,
                        continuation.overrides)
-        except FileExistsError as err:
-            raise ConfigError("--out", str(err)) from None
+        except RunFolderTaken as err:  # a used or contested --out
+            raise RunFolderTaken(err.run_dir, err.reason, "--out") from None
     elif continuation.extended:
         atomic_write(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(config), sort_keys=False))
     return run_experiment(
@@ -382,17 +384,15 @@ def continue_run(
 
 def check_checkpoint_fits(config: ExperimentConfig, state: dict[str, Any], run_dir: Path) -> None:
     """The run's ``config.yaml`` must still describe the run that wrote its checkpoint: the same
-    strategy and number of clients (an edited file would fail inside the simulation)."""
+    strategy (which of config.yaml, state.json and summary.json was edited is named:
+    :func:`~fedcluster_flwr.checkpoints.check_strategy_names`) and number of clients (an edited
+    file would fail inside the simulation)."""
     from .registry import strategies
 
     path = run_dir / "config.yaml"
     written_by = state["strategy"].get("strategy")
-    if written_by is not None and written_by != config.strategy.name:
-        known = f" ({written_by} is no longer a strategy)" if written_by not in strategies() else ""
-        raise DamagedRunError(
-            path, f"strategy.name is {config.strategy.name}, but the checkpoint was written by {written_by}{known}: "
-            f"restore strategy.name: {written_by}, or start a new run (a branch cannot change the strategy either)"
-        )
+    known = f" ({written_by} is no longer a strategy)" if isinstance(written_by, str) and written_by not in strategies() else ""
+    check_strategy_names(run_dir, state, config.strategy.name, known)
     clients = checkpoint_array_shape(run_dir, state, "assignment")
     if clients and clients[0] != config.partition.num_clients:
         raise DamagedRunError(

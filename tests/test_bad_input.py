@@ -81,7 +81,7 @@ def a_run(tmp: Path, done: int = 3, clients: int = 20) -> Path:
     (run / "checkpoint" / "state.json").write_text(json.dumps(state))
     np.savez(run / "checkpoint" / "models.npz", a0=np.zeros(clients, dtype=np.int64), round=np.asarray(done))
     (run / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(1, done + 1)))
-    (run / "summary.json").write_text(json.dumps({"finished": False, "completed_rounds": done}))
+    (run / "summary.json").write_text(json.dumps({"strategy": "flhc", "finished": False, "completed_rounds": done}))
     return run
 
 

@@ -104,7 +104,7 @@ def test_a_run_that_ends_early_is_a_failure_and_its_progress_is_closed(tmp_path,
     """Stands in for the simulation engine: it 'ran' 2 of 8 rounds (a crashed ServerApp, say)."""
 
     def two_rounds(job, progress):
-        (tmp_path / "run").mkdir()
+        (tmp_path / "run").mkdir(exist_ok=True)  # claimed by the preflight
         (tmp_path / "run" / "summary.json").write_text(json.dumps({"completed_rounds": 2}))
 
     monkeypatch.setattr(runner, "_run_engine", two_rounds)

@@ -12,12 +12,14 @@ import functools
 import json
 import os
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .cifar_pickle import RefusedPickle, load_batch
 from .partitions import ClientTransform
 
 DATA_DIR_ENV = "FEDCLUSTER_DATA_DIR"
@@ -173,33 +175,47 @@ def _missing_data_message(name: str, raw: Path, root: Path, missing: list[str]) 
 
 
 def check_idx_files(name: str, raw: Path, root: Path) -> None:
-    """The four IDX files of MNIST/Fashion-MNIST in ``raw``, checked from their headers and sizes
-    (nothing is read beyond the headers): present, each an IDX file of the right kind whose size is
-    what its header promises, and as many labels as images. Raises a :class:`DataError` naming
-    the file and what is wrong with it."""
+    """The four IDX files of MNIST/Fashion-MNIST in ``raw``, checked from their headers and sizes:
+    present, each an IDX file of the right kind, neither empty nor cut inside its header, whose
+    size is what its header promises, as many labels as images, and every label one of the
+    dataset's classes (the label files are read whole: 70,000 bytes). Raises a :class:`DataError`
+    naming the file and what is wrong with it (sizes in bytes: what it is, what it should be)."""
     missing = [f for f in _IDX_FILES if not (raw / f).is_file()]
     if missing:
         raise DataError(_missing_data_message(name, raw, root, missing))
     counts = {}
     for file, (magic, dims) in _IDX_FILES.items():
         path = raw / file
+        kind = "image" if dims else "label"
         size = path.stat().st_size
+        header_size = 4 * (2 + len(dims))
+        item_size = int(np.prod(dims, dtype=np.int64))
         with open(path, "rb") as handle:
-            header = handle.read(4 * (2 + len(dims)))
+            header = handle.read(header_size)
         words = [int.from_bytes(header[i:i + 4], "big") for i in range(0, len(header) - len(header) % 4, 4)]
-        if not words or words[0] != magic:
-            got = f"0x{words[0]:08x}" if words else f"{size} bytes"
-            raise DataError(f"{name}: {path} is not an IDX {'image' if dims else 'label'} file "
-                            f"(magic number 0x{magic:08x} expected, got {got}); replace it")
-        if len(words) < 2 + len(dims) or tuple(words[2:]) != dims:
+        if size == 0:
+            raise DataError(f"{name}: {path} is empty (0 bytes; an IDX {kind} file holds a {header_size}-byte header, "
+                            f"then {item_size} byte(s) per {kind}): replace it")
+        if header[:4] != magic.to_bytes(4, "big")[:len(header[:4])]:  # a file cut inside the magic number is judged by what is there
+            raise DataError(f"{name}: {path} is not an IDX {kind} file "
+                            f"(magic number 0x{magic:08x} expected, got 0x{header[:4].hex()}); replace it")
+        if size < header_size:
+            promise = f"; its header promises {words[1]} {kind}s, {header_size + words[1] * item_size} bytes" if len(words) > 1 else ""
+            raise DataError(f"{name}: {path} is truncated inside its header ({size} bytes, the header alone is "
+                            f"{header_size}{promise}): replace it")
+        if tuple(words[2:]) != dims:
             raise DataError(f"{name}: {path} holds items of shape {tuple(words[2:])}, expected {dims}; replace it")
         count = words[1]
-        expected = len(header) + count * int(np.prod(dims, dtype=np.int64))
+        expected = header_size + count * item_size
         if size != expected:
             raise DataError(
                 f"{name}: {path} is {'truncated' if size < expected else 'longer than its header says'} "
                 f"({size} bytes; its header promises {count} items, {expected} bytes): replace it"
             )
+        if count == 0:
+            raise DataError(f"{name}: {path} is empty: its header says it holds no {kind}s ({size} bytes); replace it")
+        if not dims:
+            check_labels(np.fromfile(path, dtype=np.uint8, offset=header_size), DATASETS[name].num_classes, f"{name}: {path}")
         counts[file] = count
     for split in ("train", "t10k"):
         images, labels = counts[f"{split}-images-idx3-ubyte"], counts[f"{split}-labels-idx1-ubyte"]
@@ -208,12 +224,35 @@ def check_idx_files(name: str, raw: Path, root: Path) -> None:
                             f"{images} images in {split}-images-idx3-ubyte: the two files do not belong together")
 
 
+def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
+    """Every label a class index 0..``num_classes`` - 1; else a :class:`DataError` on ``where``
+    (the file) naming the first label that is not (a model cannot learn a class it has no output
+    for: such a run trained on nothing and reported no accuracy)."""
+    outside = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if outside.size:
+        first = outside[0]
+        raise DataError(f"{where} holds label {labels[first]} (item {first}, one of {outside.size} outside the classes); "
+                        f"the dataset's classes are 0..{num_classes - 1}: the file is damaged or of another dataset")
+
+
+def check_folders(name: str, root: Path, inside: Sequence[str] = ()) -> None:
+    """``root`` (the data folder) and the folders ``inside`` it on the way to the files, where they
+    exist, are folders: a file where a folder is expected is named as such, not reported missing."""
+    folder = root
+    for part in ("", *inside):
+        folder = folder / part
+        if folder.exists() and not folder.is_dir():
+            whose = f" (dataset.data_dir, or ${DATA_DIR_ENV}: the folder that holds {Path(*inside)}/)" if inside and folder == root else ""
+            raise DataError(f"{name}: {folder} is a file, expected a folder{whose}")
+
+
 def _load_torchvision_gray(name: str, root: Path, download: bool) -> DatasetPool:
     import torchvision
 
     class_name = _TORCHVISION_GRAY[name]
     dataset_cls = getattr(torchvision.datasets, class_name)
     raw = root / class_name / "raw"
+    check_folders(name, root, (class_name, "raw"))
     if download:
         try:
             dataset_cls(str(root), train=True, download=True)
@@ -236,6 +275,7 @@ CIFAR_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
 
 def _load_cifar10(root: Path, download: bool) -> DatasetPool:
     folder = root / CIFAR_FOLDER
+    check_folders("cifar10", root, (CIFAR_FOLDER,))
     if download and not folder.is_dir():
         import torchvision
 
@@ -247,23 +287,11 @@ def _load_cifar10(root: Path, download: bool) -> DatasetPool:
             f"of CIFAR-10 (cifar-10-python.tar.gz) there, point dataset.data_dir or "
             f"${DATA_DIR_ENV} at its parent folder, or set dataset.download: true when online."
         )
-    images, labels = [], []
-    for batch in CIFAR_BATCHES:
-        try:
-            with open(folder / batch, "rb") as handle:
-                entry = pickle.load(handle, encoding="latin1")
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as err:
-            raise DataError(f"cifar10: {folder / batch} is truncated or not a pickle ({type(err).__name__}: "
-                            f"{' '.join(str(err).split())}); replace it") from None
-        try:
-            images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, *DATASETS["cifar10"].input_shape))
-            labels.append(np.asarray(entry.get("labels", entry.get("fine_labels")), dtype=np.int64))
-        except (KeyError, TypeError, ValueError) as err:
-            raise DataError(f"cifar10: {folder / batch} is not a CIFAR-10 python batch ({err})") from None
+    batches = [_cifar_batch(folder / batch) for batch in CIFAR_BATCHES]
     return DatasetPool(
         name="cifar10",
-        images=torch.from_numpy(np.concatenate(images)),
-        labels=np.concatenate(labels),
+        images=torch.from_numpy(np.concatenate([images for images, _ in batches])),
+        labels=np.concatenate([labels for _, labels in batches]),
         num_classes=DATASETS["cifar10"].num_classes,
         scale=255.0,
         mean=DATASETS["cifar10"].mean,
@@ -271,7 +299,35 @@ def _load_cifar10(root: Path, download: bool) -> DatasetPool:
     )
 
 
+def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 3, 32, 32) and labels of one python batch, read without running anything the
+    file asks for (:mod:`.cifar_pickle`) and checked: pixels 0..255, one label per image, each a class."""
+    try:
+        entry = load_batch(path)
+    except RefusedPickle as err:
+        raise DataError(f"cifar10: {path} is not a CIFAR-10 python batch: {err} (refused unrun); replace it") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
+            KeyError, MemoryError) as err:
+        raise DataError(f"cifar10: {path} is truncated or not a pickle ({type(err).__name__}: "
+                        f"{' '.join(str(err).split())}); replace it") from None
+    if isinstance(entry, dict):  # Python 3 copies of the batches may hold bytes keys (pickled after encoding="bytes")
+        entry = {key.decode("latin1") if isinstance(key, bytes) else key: value for key, value in entry.items()}
+    try:
+        data = np.asarray(entry["data"])
+        labels = np.asarray(entry["labels"] if "labels" in entry else entry["fine_labels"])
+        if data.dtype.kind not in "ui" or data.size and (data.min() < 0 or data.max() > 255):
+            raise ValueError(f"data: expected 8-bit pixels, got {data.dtype} values")
+        images = data.astype(np.uint8).reshape(-1, *DATASETS["cifar10"].input_shape)
+        if labels.ndim != 1 or labels.dtype.kind not in "ui" or len(labels) != len(images):
+            raise ValueError(f"labels: expected {len(images)} integers, one per image, got {labels.dtype} of shape {labels.shape}")
+    except (KeyError, TypeError, ValueError) as err:
+        raise DataError(f"cifar10: {path} is not a CIFAR-10 python batch ({' '.join(str(err).split())})") from None
+    check_labels(labels, DATASETS["cifar10"].num_classes, f"cifar10: {path}")
+    return images, labels.astype(np.int64)
+
+
 def _femnist_json_files(root: Path) -> list[Path]:
+    check_folders("femnist", root, ("femnist",))
     for base in (root / "femnist", root / "femnist" / "data"):
         files = sorted(base.glob("train/*.json")) + sorted(base.glob("test/*.json"))
         if files:
@@ -292,12 +348,17 @@ def _load_femnist(root: Path) -> DatasetPool:
             for user in blob["users"]:
                 record = blob["user_data"][user]
                 x = np.asarray(record["x"], dtype=np.float32).reshape(-1, *DATASETS["femnist"].input_shape)
-                y = np.asarray(record["y"], dtype=np.int64)
+                y = np.asarray(record["y"])
                 if len(x) != len(y):
                     raise ValueError(f"user {user}: {len(x)} images but {len(y)} labels")
+                if y.size and y.dtype.kind not in "ui" or y.ndim != 1:
+                    raise ValueError(f"user {user}: labels must be integers, got {y.dtype} of shape {y.shape}")
+                if not np.isfinite(x).all() or x.size and (x.min() < 0 or x.max() > 1):
+                    raise ValueError(f"user {user}: pixels must lie in [0, 1] (LEAF's scale)")
+                check_labels(y, DATASETS["femnist"].num_classes, f"femnist: {path}: user {user}")
                 writer = writer_ids.setdefault(user, len(writer_ids))
                 images.append(x)
-                labels.append(y)
+                labels.append(y.astype(np.int64))
                 writers.append(np.full(len(y), writer, dtype=np.int64))
         except (KeyError, TypeError, ValueError) as err:
             raise DataError(f"femnist: {path} is not a LEAF FEMNIST file ({err})") from None

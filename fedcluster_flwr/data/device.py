@@ -137,6 +137,9 @@ def load_device_data(data_dir: Path | str, dataset: str, num_classes: int) -> Cl
 @functools.lru_cache(maxsize=4)
 def _load_device_data(data_dir: str, dataset: str, num_classes: int) -> ClientData:
     folder = Path(data_dir)
+    if not folder.is_dir():
+        problem = "is a file, expected a folder" if folder.exists() else "does not exist"
+        raise DataError(f"{folder}: {problem} (data-dir of this SuperNode: the folder holding {NPZ_FILE} or train/ and test/)")
     if (folder / NPZ_FILE).is_file():
         splits = _read_npz(folder / NPZ_FILE, dataset, num_classes)
     elif (folder / "train").is_dir():

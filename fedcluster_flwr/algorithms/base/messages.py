@@ -5,7 +5,10 @@ into its own ``FitIns`` (never one shared, mutable instruction; a model that man
 receive is serialized once), remembers what went to whom, and turns each ``FitRes`` into a
 :class:`Reply` only if it is sound: status, example count, then the task's reply schema (blocks,
 shapes, dtypes, finiteness, metrics), all before any array touches a model. A failing,
-malformed or poisoned reply is refused with the reason, never averaged in.
+malformed or poisoned reply is refused with the reason, never averaged in. A client answers once
+per round: a reply from a client that was sent no work, or a second reply from one (the first to
+arrive is judged, sound or not), is refused, so a round never holds more replies than clients it
+sent work to; evaluation results alike.
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ class RoundMessages:
         self.model_spec = model_spec
         self.train_sizes = train_sizes  # per partition: a reply claiming more examples is refused
         self._sent: dict[int, tuple[Instruction, Sent]] = {}
+        self._answered: set[int] = set()  # clients whose fit reply of this round arrived
+        self._evaluating: set[int] = set()  # clients sent an evaluation this round
+        self._evaluated: set[int] = set()  # ... whose result arrived
 
     @property
     def instructions(self) -> dict[int, Instruction]:
@@ -93,7 +99,7 @@ class RoundMessages:
 
     def pack_fit(self, instructions: Sequence[Instruction], server_round: int) -> list[tuple[int, FitIns]]:
         """One ``FitIns`` per instruction (at most one per client), remembered for the replies."""
-        self._sent = {}
+        self._sent, self._answered = {}, set()
         cache: protocol.SerializationCache = {}
         packed = []
         for instruction in instructions:
@@ -108,6 +114,7 @@ class RoundMessages:
         """One ``EvaluateIns`` per client, carrying the model it is evaluated with."""
         cache: protocol.SerializationCache = {}
         packed = []
+        self._evaluating, self._evaluated = set(models), set()
         for pid, model in models.items():
             params, config = _encode(Instruction(pid, EVALUATE, {MODELS: [model]}), server_round, cache)
             packed.append((pid, EvaluateIns(params, config)))
@@ -118,6 +125,9 @@ class RoundMessages:
         instruction, sent = self._sent.get(pid, (None, None)) if pid is not None else (None, None)
         if instruction is None or sent is None:
             return "not asked to work this round"
+        if pid in self._answered:
+            return "a second reply in this round (a client answers once; its first reply was judged)"
+        self._answered.add(pid)
         try:
             problem = self._problem_with(res, pid, instruction, sent)
         except Exception as err:  # noqa: BLE001 - any unreadable reply is a refused reply
@@ -126,8 +136,16 @@ class RoundMessages:
             return problem
         return Reply(instruction, res.num_examples, dict(res.metrics), res.parameters, sent, self.model_spec)
 
-    def evaluation_problem(self, res: EvaluateRes) -> str | None:
-        """Why an evaluation result must be ignored; None if it is sound."""
+    def evaluation_problem(self, pid: int | None, res: EvaluateRes) -> str | None:
+        """Why client ``pid``'s evaluation result must be ignored; None if it is sound (each client
+        sent an evaluation counts once: a second result, or one nobody asked for, is ignored)."""
+        if pid is None:
+            return "unknown client"
+        if pid not in self._evaluating:
+            return "not asked to evaluate this round"
+        if pid in self._evaluated:
+            return "a second evaluation result in this round (a client answers once; its first was judged)"
+        self._evaluated.add(pid)
         if res.status.code != Code.OK:
             return f"status {res.status.code.name}"
         if not protocol.is_finite_number(res.loss):

@@ -402,7 +402,7 @@ class ClusteredStrategy(Strategy):
         val_loss: dict[int, float] = {}
         for proxy, res in results:
             pid = self.directory.pid_of(proxy)
-            problem = "unknown client" if pid is None else self.messages.evaluation_problem(res)
+            problem = self.messages.evaluation_problem(pid, res)
             if problem is None:
                 accuracy[pid], loss[pid] = float(res.metrics[protocol.ACCURACY]), float(res.loss)
                 if protocol.VAL_LOSS in res.metrics:
