@@ -161,10 +161,11 @@ def per_seed_comparison(results: dict[str, list[list[dict]]], seeds: list[int], 
         for seed, rows, base in zip(seeds, runs, results[reference]):
             purity, base_purity = first_round(rows, "purity", PURITY_TARGET), first_round(base, "purity", PURITY_TARGET)
             acc = first_round(rows, "mean_client_accuracy", ACCURACY_TARGET)
+            not_within = f"not in {rows[-1]['round']}"
             base_acc = first_round(base, "mean_client_accuracy", ACCURACY_TARGET)
             lines.append(
-                f"| {label(method)} | {seed} | {purity or 'never'} | {relative_change(purity, base_purity)} | "
-                f"{acc or 'never'} | {relative_change(acc, base_acc)} |"
+                f"| {label(method)} | {seed} | {purity or not_within} | {relative_change(purity, base_purity)} | "
+                f"{acc or not_within} | {relative_change(acc, base_acc)} |"
             )
     return "\n".join(lines)
 
@@ -266,7 +267,7 @@ def render_paper_table(results_dir: Path, runs: list[TableRun], rounds: int, com
         f"run it again to continue). Seeds asked: {','.join(map(str, seeds_asked))}. Every device every "
         f"iteration, one gradient step, one device forced into each cluster; inputs standardised "
         f"(mean/std, the only scaling the package has). Purity over all clients; a cell `(k/n)` averages "
-        f"the k of n seeds that reached the target within {rounds} iterations.\n\n"
+        f"the k of n seeds that reached the target within {rounds} iterations; `final` is iteration {rounds}.\n\n"
     )
     if not results:
         (results_dir / "results.md").write_text(text + "No run has finished yet.\n")
