@@ -35,6 +35,9 @@ class DatasetConfig:
     name: str = option("digits", InRegistry(DATASETS, "dataset"))
     data_dir: str | None = None  # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
     download: bool = False  # let torchvision fetch MNIST/Fashion-MNIST/CIFAR-10 when online
+    # the model's inputs: "standardized" (x/255 - mean) / std per channel, with the dataset's mean and
+    # std; "unit": x/255 in [0, 1] (e.g. Lin et al.'s MNIST inputs)
+    scaling: Literal["standardized", "unit"] = "standardized"
 
 
 @dataclass(frozen=True, kw_only=True)

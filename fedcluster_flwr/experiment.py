@@ -227,9 +227,10 @@ def client_data(config: ExperimentConfig, pid: int) -> ClientData:
     """Partition ``pid``'s train/test (and validation) tensors, as the simulated client sees them."""
     pool, partition = experiment_data(config)
     transform = partition.transforms[pid]
-    x_train, y_train = pool.tensors(partition.train_indices[pid], transform)
-    x_test, y_test = pool.tensors(partition.test_indices[pid], transform)
-    validation = pool.tensors(partition.val_indices[pid], transform) if partition.val_indices else (None, None)
+    standardize = config.dataset.scaling == "standardized"
+    x_train, y_train = pool.tensors(partition.train_indices[pid], transform, standardize)
+    x_test, y_test = pool.tensors(partition.test_indices[pid], transform, standardize)
+    validation = pool.tensors(partition.val_indices[pid], transform, standardize) if partition.val_indices else (None, None)
     return ClientData(x_train, y_train, x_test, y_test, *validation)
 
 

@@ -47,6 +47,20 @@ def test_digits_tensors_are_normalized(digits):
     assert abs(float(x.std()) - 1.0) < 0.05
 
 
+def test_unit_scaling_keeps_the_inputs_in_0_1_and_reaches_the_clients(digits):
+    x, _ = digits.tensors(np.arange(1797), standardize=False)
+    torch.testing.assert_close(x, digits.images.to(torch.float32) / 16.0)
+    from conftest import DEFAULT_CONFIG
+    from fedcluster_flwr.config import load_config
+    from fedcluster_flwr.experiment import client_data
+
+    config, _ = load_config(DEFAULT_CONFIG, [("dataset.scaling", "unit")])
+    data = client_data(config, 0)
+    assert float(data.x_train.min()) >= 0.0 and float(data.x_train.max()) <= 1.0
+    standardized, _ = load_config(DEFAULT_CONFIG, [])
+    assert float(client_data(standardized, 0).x_train.min()) < 0.0
+
+
 def test_tensors_selects_the_given_indices(digits):
     idx = np.array([5, 0, 1796, 5])
     x, y = digits.tensors(idx)

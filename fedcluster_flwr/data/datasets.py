@@ -66,9 +66,10 @@ class DatasetPool:
         return tuple(self.images.shape[1:])  # type: ignore[return-value]
 
     def tensors(
-        self, indices: np.ndarray, transform: ClientTransform = ClientTransform()
+        self, indices: np.ndarray, transform: ClientTransform = ClientTransform(), standardize: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalized float images and int64 labels of ``indices``, as a client sees them."""
+        """Float images and int64 labels of ``indices``, as a client sees them: scaled to [0, 1] and,
+        with ``standardize`` (``dataset.scaling: standardized``), normalized by the dataset's mean and std."""
         index = torch.as_tensor(indices, dtype=torch.long)
         # index_select copies whole images; indexing with a tensor (images[index]) took ~7x as
         # long, and a client is built for every message it gets (client_fn runs every round)
@@ -80,9 +81,10 @@ class DatasetPool:
             x = rotate(x, transform.rotation)  # before normalizing: corners are raw 0 (black)
         if transform.label_map is not None:
             y = torch.as_tensor(transform.label_map, dtype=torch.long)[y]
-        mean = torch.tensor(self.mean).view(1, -1, 1, 1)
-        std = torch.tensor(self.std).view(1, -1, 1, 1)
-        x = x.sub_(mean).div_(std)  # in place: the same arithmetic without two temporaries
+        if standardize:
+            mean = torch.tensor(self.mean).view(1, -1, 1, 1)
+            std = torch.tensor(self.std).view(1, -1, 1, 1)
+            x = x.sub_(mean).div_(std)  # in place: the same arithmetic without two temporaries
         if after:
             # after normalizing, as the DAC reference (main_fed.py: Normalize, then RandomRotation):
             # corners are 0 in the model's input space (RotationOptions explains)
