@@ -5,7 +5,7 @@
   ``experiment_rules`` (``schema.py``), and each partitioner's and strategy's options dataclass;
   the description is the comment written beside (or just above) the field in the source.
 * ``docs/reference/cli.md``: every ``fedcluster`` command and argument, read from
-  :func:`fedcluster_flwr.cli.build_parser`.
+  :func:`fedcluster_flwr.commands.build_parser`.
 
 ::
 
@@ -331,7 +331,7 @@ def _argument_row(action: argparse.Action) -> str:
 
 
 def cli_page() -> str:
-    from .cli import build_parser
+    from .commands import build_parser
 
     parser = build_parser()
     out = [
