@@ -185,6 +185,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except _Refused as err:
         raise ConfigError(_dotted(err.path) or "config", f"{err.message} ({path}, {err.where})") from None
     except yaml.YAMLError as err:
+        err = _in_pyyamls_words(text, err)
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(err, "problem", None) or " ".join(str(err).split())
@@ -194,3 +195,17 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of keys, got {type(data).__name__}")
     return data
+
+
+def _in_pyyamls_words(text: str, err: yaml.YAMLError) -> yaml.YAMLError:
+    """A syntax error as PyYAML's own parser words it (``expected ',' or ']', but got '<stream
+    end>'``), which says what it found where libyaml only says ``did not find expected ',' or ']'``:
+    the text, at most :data:`MAX_CONFIG_BYTES`, parsed again to its error, building nothing."""
+    if _Parser is yaml.SafeLoader:
+        return err
+    try:
+        for _ in yaml.parse(text, Loader=yaml.SafeLoader):
+            pass
+    except yaml.YAMLError as python_err:
+        return python_err
+    return err
