@@ -24,12 +24,13 @@ from .schema import ConfigError
 
 
 # A config file is a few KB (the largest shipped one is 3.5 KB); a file far beyond that is another
-# file given by mistake, which PyYAML would take minutes and gigabytes to build (it builds ~20k
-# list items a second in Python: a 26 MB list took 148 s before a MemoryError). 256 KB holds lists
-# of thousands of entries and is read in seconds.
+# file given by mistake, which PyYAML would take minutes and gigabytes to build (its constructor,
+# Python even behind libyaml's parser, builds some 25,000 list items a second on a loaded 2-core
+# machine: a 26 MB list took 148 s before a MemoryError). 256 KB holds lists of thousands of
+# entries and is read in seconds.
 MAX_CONFIG_BYTES = 256_000
-# The config is three levels deep (simulation.fail_fit.3 is a list); PyYAML's composer recurses once
-# per level, so a file of nothing but "[[[[..." would otherwise end in a RecursionError.
+# A config is three levels deep (simulation.fail_fit.3 is a list); deeper is not a config, and
+# PyYAML's composer recurses once per level (a file of "[[[[..." ended in a RecursionError).
 MAX_NESTING = 20
 
 

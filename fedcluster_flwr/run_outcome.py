@@ -31,5 +31,5 @@ def what_was_kept(run_dir: Path) -> str:
     if done is not None:
         return f"rounds 1-{done} are in {run_dir}, checkpointed (fedcluster resume {run_dir} continues them)"
     if run_dir.is_dir() and any(run_dir.iterdir()):
-        return f"partial results, without a checkpoint, in {run_dir}"
+        return f"partial results in {run_dir} (no checkpoint)"
     return f"nothing was written ({run_dir} {'is empty' if run_dir.is_dir() else 'was not created'})"
