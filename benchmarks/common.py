@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# Flower's telemetry off for the benchmark and every run it starts, before flwr is imported: a
+# benchmark sends nothing off the machine, whatever the environment says.
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 
-from fedcluster_flwr.config_sections import ExperimentConfig
-from fedcluster_flwr.engines.inprocess import run_in_process
-from fedcluster_flwr.runner import run_experiment
+import numpy as np  # noqa: E402
+
+from fedcluster_flwr.config_sections import ExperimentConfig  # noqa: E402
+from fedcluster_flwr.engines.inprocess import run_in_process  # noqa: E402
+from fedcluster_flwr.runner import run_experiment  # noqa: E402
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any] | None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
+
 from fedcluster_flwr.checkpoints import checkpoint_round
 from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment

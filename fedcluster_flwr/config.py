@@ -8,6 +8,10 @@ The YAML has the sections ``dataset``, ``partition``, ``model``, ``client``,
 belongs to a *different* registered partitioner or strategy is ignored with a
 note; a key that belongs to none is an error.
 
+The YAML is read by :mod:`fedcluster_flwr.config_file`, which refuses what a config cannot mean
+(a key given twice, aliases, a file too big); a config whose run would cost far more than any
+experiment here (:mod:`fedcluster_flwr.cost`) loads with a warning.
+
 Swapping strategies (:func:`swap_strategy`): an override that changes ``strategy.name`` keeps of
 the YAML's strategy options only those that mean the same for the new strategy
 (:data:`SAME_MEANING_OPTIONS`, and options both inherit from one declaration); the others are
@@ -19,73 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from .config_file import parse_value, read_yaml
 from .config_sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, StrategyConfig
+from .cost import estimate_cost
 from .data.partition_options import group_count
 from .data.partitions import PARTITIONERS
 from .models import MODELS
 from .options_builder import check_in_experiment, from_mapping, to_plain
 from .schema import ConfigError, InRegistry, config_key, config_keys, describe, require, unknown_key_message
 from .registry import strategies
-
-
-# ---- YAML --------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def parse_value(text: str) -> Any:
-    """A ``--set`` value: YAML scalar or flow list (``[0, 180]``), else the raw string."""
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - SafeLoader subclass
-    except yaml.YAMLError:
-        return text
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if path.is_dir():
-        # A folder exists, so "file not found" would send the user looking for the wrong mistake.
-        found = sorted(p.name for p in path.glob("*.y*ml"))
-        examples = f" in it, e.g. {path / found[0]}" if found else ""
-        raise ConfigError("config", f"{path} is a folder, not a config file: give a YAML file{examples}")
-    if not path.is_file():
-        raise ConfigError("config", f"file not found: {path}")
-    try:
-        data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(err, "problem", None) or " ".join(str(err).split())
-        raise ConfigError("config", f"{path} is not valid YAML: {problem}{where}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("config", f"{path} must hold a mapping of keys, got {type(data).__name__}")
-    return data
 
 
 # ---- overrides ---------------------------------------------------------------------
@@ -97,7 +48,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError("--set", f"expected KEY=VALUE with a dotted KEY (e.g. rounds=20), got {text!r}")
-    return key, parse_value(value.strip())
+    return key, parse_value(value.strip(), key)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -> dict[str, Any]:
@@ -218,16 +169,21 @@ class ConfigWarning(str):
 
 
 def _warnings(config: ExperimentConfig) -> list[str]:
-    """What runs but leaves part of the experiment out: fewer clients than the partition's groups
-    leave groups without a client (a study of few clients may want exactly that, so no error)."""
+    """What runs but probably not as meant: a run far longer than any experiment here
+    (:mod:`fedcluster_flwr.cost`: a typo such as ``client.epochs=1000000000``, or a setting worth a
+    second look); fewer clients than the partition's groups leave groups without a client (a study
+    of few clients may want exactly that, so no error)."""
+    cost = estimate_cost(config)
+    notes = [ConfigWarning(f"a very long run: {cost.text()}; check those options (fedcluster run --dry-run "
+                           "shows them), or stop it with Ctrl-C and resume it later")] if cost.too_costly else []
     counted = group_count(config.partition.options)
     if counted is None:
-        return []
+        return notes
     key, groups = counted
     clients = config.partition.num_clients
     if clients >= groups:
-        return []
-    return [ConfigWarning(
+        return notes
+    return notes + [ConfigWarning(
         f"partition.num_clients ({clients}) is below the {groups} groups of partition.{key}: "
         f"{groups - clients} group(s) get no client; set partition.num_clients to at least {groups} to have them all"
     )]

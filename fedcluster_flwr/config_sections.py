@@ -17,6 +17,7 @@ from .models import MODELS, RENAMED as RENAMED_MODELS
 from .schema import (
     REQUIRED,
     HostPort,
+    SEED_RANGE,
     InRegistry,
     Interval,
     Is,
@@ -45,7 +46,8 @@ class PartitionConfig:
     """The ``partition`` section: these keys, plus the options of the partitioner ``name``."""
 
     name: str
-    num_clients: int = option(10, at_least(1))
+    # at most a million, before any partitioner allocates for them (FEMNIST, the largest dataset here, has 805,263 samples)
+    num_clients: int = option(10, Interval(1, 1_000_000))
     # null: an equal share of the pool; for class_subsets the largest size every client can get from
     # its classes; for dirichlet and natural a cap, default none
     samples_per_client: int | None = option(None, at_least(2))
@@ -140,7 +142,7 @@ class FaultsConfig:
 
     drop_rate: float = option(0.0, Interval(0, 1, closed="left"))
     nan_rate: float = option(0.0, Interval(0, 1, closed="left"))
-    seed: int = option(0, at_least(0))
+    seed: int = option(0, SEED_RANGE)
 
     def validate(self, prefix: str) -> None:
         # One uniform draw per client and round decides: [0, drop) drops, [drop, drop + nan) sends NaN.
@@ -165,7 +167,7 @@ class ExperimentConfig:
     strategy: StrategyConfig
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    seed: int = option(0, at_least(0))  # partitions, model init, sampling and local shuffling derive from it
+    seed: int = option(0, SEED_RANGE)  # partitions, model init, sampling and local shuffling derive from it
     rounds: int = option(20, at_least(1))
     target_accuracy: float = option(0.9, Interval(0, 1))  # for pct_clients_over_target and rounds_to_target
     output_dir: str = "outputs"  # each run writes <output_dir>/<timestamp>_<strategy>_<dataset>_<partition>/

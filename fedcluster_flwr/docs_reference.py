@@ -5,7 +5,7 @@
   ``experiment_rules`` (``schema.py``), and each partitioner's and strategy's options dataclass;
   the description is the comment written beside (or just above) the field in the source.
 * ``docs/reference/cli.md``: every ``fedcluster`` command and argument, read from
-  :func:`fedcluster_flwr.cli.build_parser`.
+  :func:`fedcluster_flwr.commands.build_parser`.
 
 ::
 
@@ -249,7 +249,8 @@ def config_page() -> str:
         "Every key of an experiment YAML, with its type, its default and what a valid value is, as the",
         "code declares them (`fedcluster_flwr/config_sections.py`, `fedcluster_flwr/schema.py`, each partitioner's",
         "and strategy's options dataclass). A value outside its constraint stops the run with one `error:`",
-        "line naming the key. How the file and `--set` overrides work: [Configuration](configuration.md).",
+        "line naming the key; so does any number that is not finite (`.inf`, `.nan`, `1e309`) or any integer",
+        "beyond 64 bits, whatever the key. How the file and `--set` overrides work: [Configuration](configuration.md).",
         "",
         "## Top-level keys",
         "",
@@ -330,7 +331,7 @@ def _argument_row(action: argparse.Action) -> str:
 
 
 def cli_page() -> str:
-    from .cli import build_parser
+    from .commands import build_parser
 
     parser = build_parser()
     out = [

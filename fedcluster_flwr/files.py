@@ -5,6 +5,7 @@ Below the recorder, the checkpoints, the tracker and the runner (each writes run
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Iterator
@@ -47,3 +48,31 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_aside(path, "wb" if isinstance(data, bytes) else "w") as handle:
         handle.write(data)
+
+
+PROBE_BYTES = 4096  # a block: a full disk refuses it, a nearly full one may not (then the run says what it wrote)
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why results cannot be written in ``folder`` (new or not), or None: a probe file written,
+    synced and removed in the nearest folder of its path that exists. Run before anything starts,
+    so that a read-only or full disk, or a file on the way, is one line instead of a failed run."""
+    base = Path(folder)
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return f"{base} is a file, not a folder"
+    try:
+        fd, probe = mkstemp_public(base, ".fedcluster-probe-")
+    except OSError as err:
+        return f"cannot create a file in {base} ({err.strerror or err})"
+    try:
+        os.write(fd, b"\0" * PROBE_BYTES)
+        os.fsync(fd)
+    except OSError as err:
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        return f"{base} is full ({err.strerror})" if full else f"cannot write in {base} ({err.strerror or err})"
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+    return None

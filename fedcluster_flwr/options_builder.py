@@ -3,21 +3,25 @@
 This turns the nested dicts read from YAML (plus overrides) into the dataclasses whose fields
 declare what a valid value is (:mod:`fedcluster_flwr.schema`): it checks keys and value types,
 then runs the declarations, and reports the first problem as a :class:`ConfigError` that says
-which dotted key is wrong, what was expected and what was given. :func:`to_plain` goes back.
+which dotted key is wrong, what was expected and what was given. Every option also obeys
+:func:`implied_constraints`: finite numbers and 64-bit integers. :func:`to_plain` goes back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union
 
 from .schema import (
     CONSTRAINTS,
     NOTE,
     ConfigError,
+    Constraint,
     config_key,
     declared_rules,
     describe,
@@ -145,14 +149,69 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {hint!r} for {key}")  # programming error
 
 
+# What every option obeys beside its declarations: run by check_declared, never declared per field.
+
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _numbers(value: Any, where: str = "") -> Iterable[tuple[str, Any]]:
+    """Every number in an option's value (lists and mappings, keys included, looked into), with
+    where it is (``""``, ``"[1]"``, ``".3"``), for the implied constraints."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield where, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{where}[{i}]")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _numbers(key, f"{where} (key {describe(key)})")
+            yield from _numbers(item, f"{where}.{key}")
+
+
+def _in(where: str) -> str:
+    return f" at {where.lstrip('.')}" if where else ""
+
+
+@dataclass(frozen=True)
+class Finite:
+    """No inf and no NaN among the option's numbers: an update, a loss or a learning rate of inf
+    makes every later number NaN, and the run "finishes" having learnt nothing."""
+
+    def violation(self, value: Any) -> str | None:
+        bad = next(((w, v) for w, v in _numbers(value) if isinstance(v, float) and not math.isfinite(v)), None)
+        return None if bad is None else f"must be a finite number, got {describe(bad[1])}{_in(bad[0])}"
+
+
+@dataclass(frozen=True)
+class FitsInt64:
+    """Every integer of the option within 64 bits: torch, numpy and Flower's messages hold no more."""
+
+    def violation(self, value: Any) -> str | None:
+        bad = next(((w, v) for w, v in _numbers(value) if isinstance(v, int) and not INT64[0] <= v <= INT64[1]), None)
+        return None if bad is None else f"must fit in 64 bits (at most 2**63 - 1), got {describe(bad[1])}{_in(bad[0])}"
+
+
+def implied_constraints(declared: Iterable[Constraint]) -> tuple[Constraint, ...]:
+    """What every option obeys besides its ``declared`` constraints (checked after them, whose
+    messages are the more precise): finite numbers, unless one of ``declared`` admits infinity,
+    and 64-bit integers."""
+    admits_infinity = any(getattr(c, "admits_infinity", False) for c in declared)
+    return (FitsInt64(),) if admits_infinity else (Finite(), FitsInt64())
+
+
 def check_declared(options: Any, prefix: str = "") -> None:
     """Check a built options dataclass against its declarations, in this order: each field's
-    constraints (field order), the class's ``rules``, then its ``validate(prefix)`` method if any."""
+    constraints (field order; its declared ones, then those every field obeys:
+    :func:`implied_constraints`), the class's ``rules``, then its
+    ``validate(prefix)`` method if any."""
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
         if value is None:
             continue
-        for constraint in field.metadata.get(CONSTRAINTS, ()):
+        declared = field.metadata.get(CONSTRAINTS, ())
+        for constraint in (*declared, *implied_constraints(declared)):
             problem = constraint.violation(value)
             if problem is not None:
                 note = field.metadata.get(NOTE)

@@ -26,6 +26,7 @@ written anything. The claim stays: a folder once claimed is a used folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -82,6 +83,18 @@ def _claimant(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}  # being written by its claimant this very moment, or damaged: not ours either way
     return claim if isinstance(claim, dict) else {}
+
+
+def release_unused_claim(run_dir: Path) -> None:
+    """Give up this process's claim of ``run_dir`` if the run wrote nothing else (stopped while
+    starting): the same command can then start it again. The folder goes too if it is empty."""
+    claim = Path(run_dir) / CLAIM_FILE
+    mine = _claimant(Path(run_dir))
+    if claim.is_file() and not _holds_run_files(Path(run_dir)) and mine.get("host") == socket.gethostname() \
+            and mine.get("pid") == os.getpid():
+        claim.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            Path(run_dir).rmdir()
 
 
 def claim_run_dir(run_dir: Path, key: str = "") -> None:

@@ -41,13 +41,14 @@ from typing import Any, Protocol
 
 import yaml
 
-from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
+from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape
 from .config import config_to_dict, load_config, parse_override
 from .config_sections import ExperimentConfig
 from .engines.simulation import Job, check_ray_address, encode_job
-from .files import atomic_write
-from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir
+from .files import atomic_write, unwritable
+from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
+from .run_outcome import stop_message, what_was_kept
 from .schema import ConfigError, require
 from .tracking import check_tracking
 
@@ -106,7 +107,7 @@ def run_experiment(
     done = summary["completed_rounds"] if summary else 0
     if done != last_round:
         raise RunFailed(
-            f"the run stopped after {done} of {last_round} rounds; partial results in {run_dir} "
+            f"the run stopped after {done} of {last_round} rounds; {what_was_kept(run_dir)} "
             f"(rerun with --verbose for Flower's and Ray's logs)"
         )
     return summary
@@ -124,15 +125,6 @@ class Interrupted(Exception):
     def exit_code(self) -> int:
         """The shell's convention for a process ended by a signal: 130 for SIGINT, 143 for SIGTERM."""
         return 128 + self.signum
-
-
-def stop_message(why: str, run_dir: Path) -> str:
-    """One line: why the run stopped, where its results are and how to continue it."""
-    done = checkpoint_round(run_dir)
-    if done is None:
-        return (f"{why}: stopped before the first checkpoint, nothing to resume in {run_dir}; "
-                f"start again with: fedcluster run {run_dir / 'config.yaml'} --out NEW_DIR")
-    return f"{why}: stopped; rounds 1-{done} are in {run_dir}; continue with: fedcluster resume {run_dir}"
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -190,11 +182,12 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
             os.close(events_write)
         os.close(events_read)
     if stopped:
+        release_unused_claim(job.run_dir)  # stopped while starting: "start it again with the same command" works
         raise Interrupted(stopped[0], job.run_dir)
     if error is not None:
         if error["user"]:
             raise ConfigError("", error["error"])
-        raise RunFailed(f"the simulation failed: {error['error']} (its traceback is above); partial results in {job.run_dir}")
+        raise RunFailed(f"the simulation failed: {error['error']} (its traceback is above); {what_was_kept(job.run_dir)}")
 
 
 def _end_group(engine: subprocess.Popen | None) -> None:
@@ -231,6 +224,8 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
 
     if not resuming:
         check_run_dir_free(run_dir, "--out")  # what is there, before the data are loaded
+    if (problem := unwritable(run_dir)) is not None:  # before the data are read and anything is created
+        raise ConfigError("--out", f"{run_dir} cannot hold the results: {problem}; give another directory")
     check_tracking(config.tracking)  # a missing tracker package: one line, before anything starts
     configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     experiment_data(config)

@@ -6,6 +6,9 @@ dataclasses from the YAML's mappings and runs these declarations):
 
 * the type: ``Literal`` for a choice, ``X | None`` where null is allowed;
 * per field, constraints: ``client_fraction: float = option(0.1, Interval(0, 1, closed="right"))``;
+  every field also obeys what :func:`~fedcluster_flwr.options_builder.implied_constraints` adds:
+  its numbers finite (no inf, no NaN) unless a constraint of its own admits infinity
+  (``Interval(0, math.inf)``), its integers within 64 bits; seeds take :data:`SEED_RANGE`;
 * per class, ``rules``: what spans fields (``ExactlyOne("threshold", "num_clusters")``,
   ``OnlyWith``, ``RequiredWith``, ``NoMoreThan``, ``LessThan``), checked when the section is built;
 * per class, ``experiment_rules``: the same against the whole experiment config, e.g.
@@ -148,6 +151,12 @@ class Interval:
     def _right_closed(self) -> bool:
         return self.closed in ("both", "right")
 
+    @property
+    def admits_infinity(self) -> bool:
+        """Whether it was declared to hold inf or -inf (a closed end at ±math.inf): only then does
+        an option take them (:class:`Finite`)."""
+        return (self.high == math.inf and self._right_closed) or (self.low == -math.inf and self._left_closed)
+
     def __contains__(self, value: float) -> bool:
         if math.isnan(value):
             return False
@@ -157,11 +166,11 @@ class Interval:
 
     def __str__(self) -> str:
         if self.high is None:
-            return f"{'>=' if self._left_closed else '>'} {self.low:g}"
+            return f"{'>=' if self._left_closed else '>'} {_number(self.low)}"
         if self.low is None:
-            return f"{'<=' if self._right_closed else '<'} {self.high:g}"
+            return f"{'<=' if self._right_closed else '<'} {_number(self.high)}"
         left, right = "[" if self._left_closed else "(", "]" if self._right_closed else ")"
-        return f"in {left}{self.low:g}, {self.high:g}{right}"
+        return f"in {left}{_number(self.low)}, {_number(self.high)}{right}"
 
     def violation(self, value: float) -> str | None:
         return None if value in self else f"must be {self}, got {describe(value)}"
@@ -175,6 +184,16 @@ def at_least(low: float) -> Interval:
 def above(low: float) -> Interval:
     """More than ``low``: (low, inf)."""
     return Interval(low, None, closed="neither")
+
+
+def _number(bound: float) -> str:
+    """A bound as a user writes it: ``0.5``, ``1e-06``, and an integer in full (``4294967295``)."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+# Seeds reach torch.manual_seed, numpy's generators and scikit-learn's random_state (FL+HC's random
+# projection), and the last takes 0 to 2**32 - 1.
+SEED_RANGE = Interval(0, 2**32 - 1)
 
 
 @dataclass(frozen=True, eq=False)

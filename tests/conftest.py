@@ -1,8 +1,14 @@
-"""Shared test helpers: the project root and the default config."""
+"""Shared test helpers: the project root and the default config. Flower's telemetry is off for
+every test and every process a test starts: set here, before anything imports flwr (Flower reads
+FLWR_TELEMETRY_ENABLED once, when flwr.supercore.telemetry is imported)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+
+from pathlib import Path  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent

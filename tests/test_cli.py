@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr import cli, runner
+from fedcluster_flwr import cli, commands, runner
 from fedcluster_flwr.config import config_to_dict
 from helpers import finished_looking_run
 
@@ -44,7 +44,7 @@ def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch
 def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: calls.append((config, run_dir, kw)) or {})
-    monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
+    monkeypatch.setattr(commands, "format_summary", lambda summary, run_dir: "")
     base = finished_looking_run(tmp_path / "base")
     code = cli.main(["resume", str(base), "--out", str(tmp_path / "branch"), "--set", "strategy.threshold=7.5",
                      "--set", "strategy.linkage=average", "--rounds", "12"])
@@ -100,7 +100,7 @@ def test_a_branch_cannot_change_what_the_run_already_acted_on(tmp_path, monkeypa
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.threshold=5"]) == 2
     assert "strategy.threshold: the run already acted on it by round 8" in capsys.readouterr().err
     monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: {})
-    monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
+    monkeypatch.setattr(commands, "format_summary", lambda summary, run_dir: "")
     assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.client_fraction=0.5"]) == 0
 
 
@@ -122,7 +122,7 @@ def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, cap
 def test_fewer_clients_than_groups_runs_with_a_warning_line(tmp_path, monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: ran.append(config) or {})
-    monkeypatch.setattr(cli, "format_summary", lambda summary, run_dir: "")
+    monkeypatch.setattr(commands, "format_summary", lambda summary, run_dir: "")
     assert cli.main(["run", str(DEFAULT_CONFIG), "--set", "partition.num_clients=3", "--out", str(tmp_path / "x")]) == 0
     assert [c.partition.num_clients for c in ran] == [3]
     err = capsys.readouterr().err

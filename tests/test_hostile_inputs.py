@@ -513,3 +513,18 @@ def test_an_instruction_missing_a_key_or_with_a_bad_round_is_one_line_naming_it(
     with pytest.raises(ProtocolError) as err:
         getattr(digits_client, method)(arrays, config)
     assert str(err.value) == expected and "\n" not in str(err.value)
+
+
+def test_a_run_stopped_while_starting_gives_up_its_claim_so_the_same_command_starts_it_again(tmp_path):
+    from fedcluster_flwr.recorder import CLAIM_FILE, check_run_dir_free, claim_run_dir, release_unused_claim
+
+    started = tmp_path / "stopped_while_starting"
+    claim_run_dir(started)
+    release_unused_claim(started)
+    assert not started.exists()
+    check_run_dir_free(started)  # free again
+    written = tmp_path / "wrote_rounds"
+    claim_run_dir(written)
+    (written / "rounds.jsonl").write_text("")
+    release_unused_claim(written)  # a run that wrote something keeps its folder and its claim
+    assert (written / CLAIM_FILE).is_file()

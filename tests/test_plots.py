@@ -24,6 +24,7 @@ from fedcluster_flwr import cli
 from fedcluster_flwr.clustering import ClusteringRecord, hierarchical_clustering
 from fedcluster_flwr.experiment import strategy_phase_words
 from fedcluster_flwr.plots import phase_words, plot_client_matrix, plot_comparison, plot_dendrogram, plot_rounds
+from fedcluster_flwr.run_files import format_summary
 
 matplotlib.use("Agg")
 
@@ -114,9 +115,9 @@ SUMMARY = {"mean_client_accuracy": 0.5, "best_mean_client_accuracy": 0.6, "pct_c
 
 
 def test_the_summary_says_in_words_when_the_target_was_never_reached(tmp_path):
-    text = cli.format_summary({**SUMMARY, "rounds_to_target": None}, tmp_path)
+    text = format_summary({**SUMMARY, "rounds_to_target": None}, tmp_path)
     assert "(target 0.9; the mean never reached the target)" in text and "reached it never" not in text
-    assert "(target 0.9; the mean reached it at round 7)" in cli.format_summary({**SUMMARY, "rounds_to_target": 7}, tmp_path)
+    assert "(target 0.9; the mean reached it at round 7)" in format_summary({**SUMMARY, "rounds_to_target": 7}, tmp_path)
 
 
 def test_compare_help_lists_the_strategies(capsys):

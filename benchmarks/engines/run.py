@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
+
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CONF = ROOT / "conf" / "flhc_mnist_label_swap.yaml"  # Briggs et al.'s paper-scale setting
