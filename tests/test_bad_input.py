@@ -169,7 +169,7 @@ CASES = [
          names="strategy.client_fraction"),
     Case("not-a-choice", "a value not among the choices", ("run", CONF, "--set", "client.optimizer=adagrad"),
          names="client.optimizer"),
-    Case("unknown-strategy", "an unknown strategy", ("run", CONF, "--set", "strategy.name=fedprox"), names="strategy.name"),
+    Case("unknown-strategy", "an unknown strategy", ("run", CONF, "--set", "strategy.name=scaffold"), names="strategy.name"),
     Case("unknown-dataset", "an unknown dataset", ("run", CONF, "--set", "dataset.name=svhn"), names="dataset.name"),
     Case("model-input", "a model that cannot take the data", ("run", CONF, "--set", "model.name=lenet_cifar"),
          names="model.name"),
@@ -279,7 +279,7 @@ CASES = [
     Case("branch-without-out", "changed options on a resume without --out", ("resume", "{tmp}/run", "--set", "rounds=40"),
          setup=a_run, names="--set"),
     # -- fedcluster compare and plot
-    Case("compare-unknown", "an unknown strategy to compare", ("compare", CONF, "--strategies", "fedavg,fedprox"),
+    Case("compare-unknown", "an unknown strategy to compare", ("compare", CONF, "--strategies", "fedavg,scaffold"),
          names="--strategies"),
     Case("compare-twice", "a strategy compared with itself", ("compare", CONF, "--strategies", "fedavg,flhc,fedavg"),
          names="--strategies"),
