@@ -45,7 +45,8 @@ class DatasetConfig:
     cache_dir: str | None = None  # hf: the datasets library's cache; relative: under the data folder; null: <data folder>/huggingface
 
     rules = (
-        RequiredWith("path", Is("name", HF)),
+        RequiredWith("path", Is("name", HF), "dataset.name hf needs a folder of parquet/arrow files, a save_to_disk "
+                                             "folder or a Hub dataset name"),
         *(OnlyWith(key, Is("name", HF)) for key in ("path", "split", "image_key", "label_key", "cache_dir")),
     )
 
