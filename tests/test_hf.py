@@ -308,6 +308,8 @@ def test_flwr_datasets_mistakes_and_the_librarys_errors_are_one_line_naming_the_
                    lambda: flwr_config("DirichletPartitioner", {"alfa": 0.5}))
     one_line_error(ConfigError, r"^partition.args.num_partitions: is partition.num_clients: set that instead$",
                    lambda: flwr_config("IidPartitioner", {"num_partitions": 4}))
+    one_line_error(ConfigError, r"^partition.args.seed: must be an integer, got None: an unseeded partition differs",
+                   lambda: flwr_config("DirichletPartitioner", {"alpha": 0.5, "seed": None}))
     # the library's own errors: too few samples for min_partition_size, a dropped class, a wrong count
     too_few = flwr_config("DirichletPartitioner", {"alpha": 0.01, "min_partition_size": 150})
     one_line_error(ConfigError, r"^partition.args.alpha: DirichletPartitioner: The max number of attempts \(10\) was "

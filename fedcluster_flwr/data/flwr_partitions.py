@@ -105,6 +105,10 @@ class FlwrDatasetsOptions:
             if name not in parameters:
                 raise ConfigError(key, f"not an argument of {self.partitioner}{did_you_mean(name, parameters)}; its "
                                        f"arguments: {', '.join(p for p in parameters if p not in FILLED) or 'none'}")
+            if name == "seed" and not isinstance(value, int):
+                # every process (each Ray worker, each SuperNode) computes the partition itself
+                raise ConfigError(key, f"must be an integer, got {describe(value)}: an unseeded partition differs "
+                                       f"between the processes that compute it; leave it out to use the run's seed")
         for name, parameter in parameters.items():
             if parameter.default is inspect.Parameter.empty and name not in FILLED and name not in self.args:
                 raise ConfigError(join_key(prefix, f"args.{name}"), f"{self.partitioner} needs it")
