@@ -193,8 +193,9 @@ def _check_experiment(config: ExperimentConfig) -> None:
     """Checks that span sections."""
     from .models import model_outline
 
+    shape, num_classes = config.input_shape, config.num_classes  # outside the try: an hf dataset's error is its own
     try:
-        model_outline(config.model.name, config.input_shape, config.num_classes)
+        model_outline(config.model.name, shape, num_classes)
     except ValueError as err:
         raise ConfigError(
             "model.name",

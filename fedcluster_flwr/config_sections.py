@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .data.datasets import DATASETS
+from .data.sources import DATASET_SOURCES, HF, dataset_shape
 from .models import MODELS, RENAMED as RENAMED_MODELS
 from .schema import (
     REQUIRED,
@@ -22,6 +22,7 @@ from .schema import (
     Interval,
     Is,
     OnlyWith,
+    RequiredWith,
     above,
     at_least,
     config_keys,
@@ -33,12 +34,25 @@ from .schema import (
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: str = option("digits", InRegistry(DATASETS, "dataset"))
+    name: str = option("digits", InRegistry(DATASET_SOURCES, "dataset"))
     data_dir: str | None = None  # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
     download: bool = False  # let torchvision fetch MNIST/Fashion-MNIST/CIFAR-10 when online
+    # hf (docs/tutorial/own-dataset.md): a folder of parquet/arrow files, a save_to_disk folder, or a Hub
+    # dataset name (online); a relative path is looked for in the working directory, then the data folder
+    path: str | None = None
+    split: str | None = None  # hf: the split to use, or several joined with + (train+test); null: train
+    image_key: str | None = None  # hf: the column of images; null: image
+    label_key: str | None = None  # hf: the column of integer class labels; null: label
+    cache_dir: str | None = None  # hf: the datasets library's cache; relative: under the data folder; null: <data folder>/huggingface
     # the model's inputs: "standardized" (x/255 - mean) / std per channel, with the dataset's mean and
     # std; "unit": x/255 in [0, 1] (e.g. Lin et al.'s MNIST inputs)
     scaling: Literal["standardized", "unit"] = "standardized"
+
+    rules = (
+        RequiredWith("path", Is("name", HF), "dataset.name hf needs a folder of parquet/arrow files, a save_to_disk "
+                                             "folder or a Hub dataset name"),
+        *(OnlyWith(key, Is("name", HF)) for key in ("path", "split", "image_key", "label_key", "cache_dir")),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,8 +195,8 @@ class ExperimentConfig:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        return DATASETS[self.dataset.name].input_shape
+        return dataset_shape(self.dataset)[0]
 
     @property
     def num_classes(self) -> int:
-        return DATASETS[self.dataset.name].num_classes
+        return dataset_shape(self.dataset)[1]

@@ -21,7 +21,8 @@ from .checkpoints import load_checkpoint
 from .client import ClientData, ClusterClient, Faults
 from .config import config_to_dict, load_config, parse_override
 from .config_sections import ExperimentConfig
-from .data import DatasetPool, Partition, cluster_names, load_pool, make_partition
+from .data import DatasetPool, Partition, cluster_names, make_partition
+from .data.sources import dataset_pool
 from .models import build_model, parameter_names
 from .numerics import numeric_platform, pin_portable_numerics
 from .recorder import RunRecorder
@@ -81,7 +82,7 @@ def run_config_notes(run_config: Mapping[str, Any]) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=4)
 def _partition(config_key: tuple[Any, ...]) -> Partition:
     dataset, partition, seed = config_key
-    pool = load_pool(dataset.name, dataset.data_dir, dataset.download)
+    pool = dataset_pool(dataset)
     return make_partition(
         partition.name,
         partition.options,
@@ -99,7 +100,7 @@ def _partition(config_key: tuple[Any, ...]) -> Partition:
 def experiment_data(config: ExperimentConfig) -> tuple[DatasetPool, Partition]:
     """The dataset pool and partition of ``config``, loaded once per process."""
     dataset = config.dataset
-    pool = load_pool(dataset.name, dataset.data_dir, dataset.download)
+    pool = dataset_pool(dataset)
     return pool, _partition((dataset, config.partition, config.seed))
 
 

@@ -58,6 +58,8 @@ def format_summary(summary: Mapping[str, Any], run_dir: Path) -> str:
         f"{name} {summary[key]:.2f}" for key, name in (("purity", "purity"), ("ari", "ARI"), ("nmi", "NMI"))
         if summary.get(key) is not None
     )
+    if one_true_group(summary):
+        scores = "one true group: purity, ARI and NMI do not apply"
     lines = [
         f"  mean client accuracy   {pct(summary.get('mean_client_accuracy'))} "
         f"(best {pct(summary.get('best_mean_client_accuracy'))})",
@@ -72,6 +74,14 @@ def format_summary(summary: Mapping[str, Any], run_dir: Path) -> str:
         f"  results                {run_dir}",
     ]
     return "\n".join(lines)
+
+
+def one_true_group(summary: Mapping[str, Any]) -> bool:
+    """Whether every client of the run is in the same true cluster (iid, dirichlet, flwr_datasets'
+    partitioners): scores of the clustering against one group measure nothing (ARI is 1 for one
+    cluster found and 0 for any other number, whatever the clients' data)."""
+    true = summary.get("true_clusters") or []
+    return len(true) > 1 and None not in true and len(set(true)) == 1
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:

@@ -100,17 +100,19 @@ def test_flwr_run_shows_the_configs_warnings_as_fedcluster_run_does(tmp_path, ca
 
 
 def test_flwr_run_names_the_options_it_ignores(tmp_path, caplog):
-    config, _ = load_config(DEFAULT_CONFIG, [parse_override("simulation.engine=inprocess"),
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override("simulation.engine=batched"),
+                                             parse_override("simulation.batched_workers=2"),
                                              parse_override("simulation.num_cpus_per_client=2")])
     notes = flwr_run_notes(config)
-    assert [note.split(" (")[0] for note in notes] == ["simulation.engine=inprocess", "simulation.num_cpus_per_client=2.0"]
-    assert "client-resources-num-cpus" in notes[1]
+    # the engine and its options apply: flwr_run_main runs it in Flower's simulation (tests/test_flwr_run_engines.py)
+    assert [note.split(" (")[0] for note in notes] == ["simulation.num_cpus_per_client=2.0"]
+    assert "client-resources-num-cpus" in notes[0]
     assert flwr_run_notes(load_config(DEFAULT_CONFIG)[0]) == []  # the defaults ask for nothing flwr run drops
     with caplog.at_level(logging.WARNING):
-        server_fn(context({"set": "simulation.engine=inprocess", "strategy.name": "fedavg", "rounds": 1,
+        server_fn(context({"set": "simulation.num_cpus_per_client=2", "strategy.name": "fedavg", "rounds": 1,
                            "output_dir": str(tmp_path)}))
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warning.startswith("fedcluster: no effect under flwr run: simulation.engine=inprocess (")
+    assert warning.startswith("fedcluster: no effect under flwr run: simulation.num_cpus_per_client=2.0 (")
 
 
 def start_grid_in_process(*, server=None, config=None, strategy=None, client_manager=None, grid=None):
@@ -205,14 +207,14 @@ def test_flwr_run_ends_with_the_summary_and_a_config_error_fails_the_run(tmp_pat
         assert bad.returncode == 0
 
         good = flwr(*run, f"rounds=2 partition.num_clients=8 strategy.name='fedavg' output_dir='{out}' "
-                          "set='simulation.engine=inprocess'")
+                          "set='simulation.num_cpus_per_client=2'")
         (logs / "good_run.out").write_text(good.stdout + good.stderr)
         assert good.returncode == 0, good.stdout + good.stderr
         (run_dir,) = out.iterdir()
         expected = format_summary(read_summary(run_dir), run_dir).splitlines()
         lines = good.stdout.splitlines()
         assert all(any(line.endswith(summary_line) for line in lines) for summary_line in expected)
-        assert "History (" not in good.stdout and "no effect under flwr run: simulation.engine=inprocess" in good.stdout
+        assert "History (" not in good.stdout and "no effect under flwr run: simulation.num_cpus_per_client=2.0" in good.stdout
         assert "finished:completed" in status(good.stdout)
     finally:
         processes.stop_all()

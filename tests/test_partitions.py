@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fedcluster_flwr.data import PARTITIONERS, ClientTransform, load_pool, make_partition
+from fedcluster_flwr.data.flwr_partitions import FlwrDatasetsOptions
 from fedcluster_flwr.data.partition_options import (
     ClassSubsetsOptions,
     DirichletOptions,
@@ -82,10 +83,14 @@ CASES = {
     "class_subsets": dict(options=ClassSubsetsOptions(), samples_per_client=80),
     "dirichlet": dict(options=DirichletOptions(alpha=0.5), samples_per_client=None),
     "natural": dict(options=NaturalOptions(), samples_per_client=None, writers=WRITERS),
+    # needs the extra fedcluster-flwr[hf]; its own tests: tests/test_hf.py
+    "flwr_datasets": dict(options=FlwrDatasetsOptions("DirichletPartitioner", {"alpha": 0.5}), samples_per_client=None),
 }
 
 
 def run_case(name: str, **overrides):
+    if name == "flwr_datasets":
+        pytest.importorskip("flwr_datasets", reason="partition.name flwr_datasets needs the extra fedcluster-flwr[hf]")
     case = dict(CASES[name])
     case.update(overrides)
     options = case.pop("options")

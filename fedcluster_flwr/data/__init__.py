@@ -3,6 +3,7 @@
 from .datasets import DATASETS, DataError, DatasetFacts, DatasetPool, load_pool, resolve_data_dir
 from .partition_options import cluster_names
 from .partitions import PARTITIONERS, ClientTransform, Partition, make_partition
+from . import flwr_partitions  # noqa: F401 - registers partition.name flwr_datasets
 
 __all__ = [
     "DATASETS",

@@ -71,6 +71,7 @@ class PartitionRequest:
     samples_per_client: int | None
     rng: np.random.Generator
     writers: np.ndarray | None = None
+    seed: int = 0  # the run's seed: what a library partitioner's own seed defaults to (flwr_partitions)
 
     def per_client(self) -> int:
         """Samples per client: the configured cap, else an equal share of the pool."""
@@ -308,7 +309,7 @@ def make_partition(
     partitioner = PARTITIONERS[name]
     assert isinstance(options, partitioner.options), "options do not match the partitioner"
     rng = np.random.default_rng(seed)
-    req = PartitionRequest(labels, num_classes, num_clients, samples_per_client, rng, writers)
+    req = PartitionRequest(labels, num_classes, num_clients, samples_per_client, rng, writers, seed)
     indices, true, transforms = partitioner.build(req, options)
     splits = [stratified_split(np.asarray(idx), labels, test_fraction, rng) for idx in indices]
     val: list[np.ndarray] = []
