@@ -257,8 +257,8 @@ def test_the_state_round_trip_continues_identically(tmp_path):
     copy.load_state_dict(deepcopy(state))
     assert_same_state(copy.state_dict(), state)
     assert CFL.options_fixed_by(state) == ("thresholds", "eps1", "eps2", "eps1_relative", "eps2_relative",
-                                           "warmup_rounds", "min_cluster_size", "max_clusters", "bipartition",
-                                           "mean_update")
+                                           "gamma_max", "warmup_rounds", "min_cluster_size", "max_clusters",
+                                           "bipartition", "mean_update")
     assert CFL.options_fixed_by(cfl(tmp_path / "c", 6).state_dict()) == ()
     for each in (strategy, copy):
         synthetic_round(each, manager, 2, adding(updates))
