@@ -73,6 +73,7 @@ def format_summary(summary: Mapping[str, Any], run_dir: Path) -> str:
         f"  wall time              {summary['wall_seconds']:.1f} s",
         f"  results                {run_dir}",
     ]
+    lines += [f"  warning                {warning}" for warning in summary.get("warnings") or ()]  # the algorithm's
     return "\n".join(lines)
 
 

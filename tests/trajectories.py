@@ -55,8 +55,10 @@ STRATEGY_OVERRIDES: dict[str, tuple[str, ...]] = {
     "random_clusters": ("strategy.num_clusters=4", "strategy.shared_layers=[fc]"),
     # every client every round (the paper); ε1 0.3 and two warm-up rounds make it split in rounds 3, 4
     # and 6 of 7, leaving the late joiner 17 and client 3 (failed in round 4) to be placed
-    # thresholds: absolute, the form it was recorded with (relative became the default later)
-    "cfl": ("strategy.client_fraction=1.0", "strategy.thresholds=absolute", "strategy.eps1=0.3", "strategy.warmup_rounds=2"),
+    # thresholds: absolute and gamma_max 0 (no split guard), the forms it was recorded with (relative and
+    # gamma_max 0.6 became the defaults later)
+    "cfl": ("strategy.client_fraction=1.0", "strategy.thresholds=absolute", "strategy.eps1=0.3", "strategy.warmup_rounds=2",
+            "strategy.gamma_max=0"),
     # clusters in round 1; client 17, absent then, is placed by its subspace in round 6
     "pacfl": ("strategy.num_clusters=4", "strategy.linkage=complete"),
 }

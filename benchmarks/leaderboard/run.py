@@ -85,8 +85,9 @@ METHODS: dict[str, dict[str, Any]] = {
              "linkage": "average", "num_clusters": NUM_CLUSTERS},
     "ifca": {"name": "ifca", **ALL_CLIENTS, "num_clusters": NUM_CLUSTERS},
     "gradloss": {"name": "gradloss", **ALL_CLIENTS, "num_clusters": NUM_CLUSTERS},  # λ = 0.2
-    # the absolute ε calibrated on digits, with which the table was run (before relative became the default)
-    "cfl": {"name": "cfl", "thresholds": "absolute"},
+    # the absolute ε calibrated on digits and no split guard, with which the table was run (before relative
+    # thresholds and gamma_max 0.6 became the defaults)
+    "cfl": {"name": "cfl", "thresholds": "absolute", "gamma_max": 0.0},
     "oneshot_hfl": {"name": "oneshot_hfl", **ALL_CLIENTS, "num_clusters": NUM_CLUSTERS, "linkage": "average",
                     "num_eigenvectors": 5, **HFL_LAYERS},
     "pacfl": {"name": "pacfl", **ALL_CLIENTS, "num_clusters": NUM_CLUSTERS},
