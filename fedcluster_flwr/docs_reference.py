@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .algorithms.base.options import NeedsSetting
 from .config_sections import (
     ClientConfig,
     DatasetConfig,
@@ -187,6 +188,9 @@ def rule_text(cls: type, rule: Any, prefix: str, experiment: bool = False) -> st
             bound = _key(cls, rule.bound, prefix)
         why = f" ({rule.why})" if rule.why else ""
         return f"{_key(cls, rule.name, prefix)} {relation} {bound}{why}"
+    if isinstance(rule, NeedsSetting):
+        values = " or ".join(f"`{as_yaml(v)}`" for v in rule.values)
+        return f"{_condition_text(cls, rule.condition, prefix)} only where `{rule.key}` is {values} (it {rule.why})"
     raise TypeError(f"docs_reference cannot describe the rule {rule!r}: teach rule_text")
 
 

@@ -76,11 +76,21 @@ def play_round(
 ) -> None:
     """One round as Flower's server plays it: configure_fit, every instructed client's ``fit`` (an
     exception is a failure), aggregate_fit, configure_evaluate, ``evaluate``, aggregate_evaluate.
-    ``arrival`` reorders the fit and the evaluate results before the strategy sees them."""
-    results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
-    if arrival is not None:
-        arrival(results)
-    strategy.aggregate_fit(server_round, results, failures)
+    ``arrival`` reorders the fit and the evaluate results before the strategy sees them.
+
+    A strategy whose clients take turns (``fit_turns`` gives them, :mod:`fedcluster_flwr.algorithms.base.turns`)
+    instead gets each client's result through aggregate_fit before the next client is instructed."""
+    turns = getattr(strategy, "fit_turns", lambda *_: None)(server_round, manager)
+    if turns is None:
+        results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
+        if arrival is not None:
+            arrival(results)
+        strategy.aggregate_fit(server_round, results, failures)
+    elif rendezvous is not None:
+        raise ValueError("a round whose clients take turns cannot run on the batched engine: set simulation.engine: inprocess")
+    else:
+        for turn in turns:
+            strategy.aggregate_fit(server_round, *_call_all([turn], "fit"))
     instructions = strategy.configure_evaluate(server_round, None, manager)
     if instructions:  # as Flower's server: no evaluation round without instructions
         results, failures = _call_all(instructions, "evaluate", rendezvous)

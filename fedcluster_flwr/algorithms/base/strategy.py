@@ -359,6 +359,14 @@ class ClusteredStrategy(Strategy):
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         server_round += self.round_offset
         counters = self.counters
+        replies = self.checked_replies(server_round, results, failures)
+        counters.artifacts = dict(self.absorb(server_round, replies) or {})
+        counters.train_loss = float(np.mean(losses)) if (losses := train_losses(replies)) else float("nan")
+        return None, {"accepted_updates": len(replies), "fit_failures": counters.fit_failures}
+
+    def checked_replies(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list) -> list[Reply]:
+        """The sound replies among ``results``, in partition-id order; failures and refused ones counted and logged."""
+        counters = self.counters
         counters.fit_failures += len(failures)
         for failure in failures:
             log(WARNING, "round %s: a client failed during fit: %s", server_round, _describe_failure(failure))
@@ -372,11 +380,7 @@ class ClusteredStrategy(Strategy):
             else:
                 counters.rejected_updates += 1
                 log(WARNING, "round %s: reply of client %s rejected: %s", server_round, pid, reply)
-        replies.sort(key=lambda r: r.pid)  # arrival order is the thread pool's, not the seed's
-        counters.artifacts = dict(self.absorb(server_round, replies) or {})
-        losses = [float(v) for r in replies if protocol.is_finite_number(v := r.metrics.get(protocol.TRAIN_LOSS))]
-        counters.train_loss = float(np.mean(losses)) if losses else float("nan")
-        return None, {"accepted_updates": len(replies), "fit_failures": counters.fit_failures}
+        return sorted(replies, key=lambda r: r.pid)  # arrival order is the thread pool's, not the seed's
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
@@ -435,6 +439,10 @@ class ClusteredStrategy(Strategy):
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         """No centralized evaluation: every client tests its own model on its own data."""
         return None
+
+
+def train_losses(replies: Sequence[Reply]) -> list[float]:  # the finite ones the replies report
+    return [float(v) for r in replies if protocol.is_finite_number(v := r.metrics.get(protocol.TRAIN_LOSS))]
 
 
 def _describe_failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ...registry import register
-from ..base.strategy import Reply, StrategySetup
+from ..base.strategy import StrategySetup
 from .strategy import Gossip, PENSOptions
 from . import tasks as gossip
 from ...aggregation import lowest
@@ -93,8 +93,8 @@ class PENS(Gossip):
             for j in lowest(losses, self.options.num_kept):
                 self.kept_counts[pid, neighbours[j]] += 1
 
-    def absorb(self, server_round: int, replies: list[Reply]) -> None:
-        super().absorb(server_round, replies)
+    def turns_ended(self, server_round: int) -> None:
+        super().turns_ended(server_round)
         if self.round_phase == "pens_selection" and not self.selecting:  # the last selection round
             expected = self.options.num_kept / self.setup.num_clients * self.options.selection_rounds
             self.neighbour_sets = self.kept_counts > expected

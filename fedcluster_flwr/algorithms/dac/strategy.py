@@ -31,7 +31,15 @@ each participating client i (``client_fraction`` of the online, pretrained clien
      it has never sampled, the entry of k in the tables of *this round's* neighbours — measured or
      themselves estimated — from the neighbour most similar to i, and keeps it until overwritten.
      Estimates of estimates travel further than two hops. Clients update in partition-id order
-     within a round (the reference: in a random order), each seeing the tables updated before it.
+     within a round (with ``round_order: sequential`` in the round's turn order, as the reference),
+     each seeing the tables updated before it.
+
+``round_order``: ``synchronous`` (default) instructs the round's clients at once, each merging its
+neighbours' models as the round before left them. ``sequential`` is the reference code's round
+(``utils.py`` ``train_DAC``, ``gossip``: the clients shuffled by ``np.random.choice``, each in turn
+drawing its neighbours and averaging their *current* ``local_model`` s, this round's updates included,
+then training): turns in an order drawn from the seed and the round (:mod:`..base.turns`; engine
+``inprocess`` only). The paper's two-hop estimates are recomputed at the round's end in both orders.
 
 ``dac_var`` grows τ with the exchanges (``tau_schedule``; see :func:`.math.reference_tau` and
 :func:`.math.centred_tau`); ``random_gossip`` samples neighbours uniformly; ``oracle_gossip`` only from
@@ -63,12 +71,14 @@ from .tasks import GOSSIP_TRAIN
 from ...plots import plot_client_matrix
 from ...schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import SHARE_OF_CLIENTS
+from ..base.options import SHARE_OF_CLIENTS, NeedsSetting
+from ..base.turns import TakesTurns
 from ...registry import register
 from .math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
+TURN_ORDER_STREAM = 11  # the random stream of sequential rounds' client orders (seed, round, stream)
 PRETRAIN_PHASE = "pretrain"
 
 
@@ -79,8 +89,15 @@ class GossipOptions:
     same_init: bool = False
     # local epochs before the first exchange; null takes client.epochs, as the reference code does
     pretrain_epochs: int | None = option(None, at_least(0), note="0: no pretraining; null: client.epochs")
+    # synchronous: every client merges the models of the round before; sequential: the reference code's
+    # round, the clients one after another in a shuffled order, each merging its neighbours' current models
+    round_order: Literal["synchronous", "sequential"] = "synchronous"
 
-    experiment_rules = (LessThan("num_neighbours", "partition.num_clients", why="a client never samples itself"),)
+    experiment_rules = (
+        LessThan("num_neighbours", "partition.num_clients", why="a client never samples itself"),
+        NeedsSetting(Is("round_order", "sequential"), "simulation.engine", ("inprocess",),
+                     "plays a round's clients one after another"),
+    )
 
     def check_experiment(self, config: Any, prefix: str) -> None:
         if self.pretrain_epochs != 0:  # round 1 only pretrains
@@ -129,13 +146,14 @@ class PENSOptions(GossipOptions):
                 f"must be in 1..{drawn_key} ({drawn}): of the peers drawn, the ones kept; got {self.num_kept}")
 
 
-class Gossip(ClusteredStrategy):
+class Gossip(TakesTurns, ClusteredStrategy):
     """Personal models exchanged between sampled neighbours through the relay; see the module docstring."""
 
     name = "gossip"
     Options = GossipOptions
     round_word = "gossip exchanges"
     phase_words = {PRETRAIN_PHASE: "local pretraining"}
+    turns_setting = "strategy.round_order: sequential"
 
     def __init__(self, options: GossipOptions, setup: StrategySetup) -> None:
         super().__init__(options, setup)
@@ -186,14 +204,41 @@ class Gossip(ClusteredStrategy):
         return self.options.pretrain_epochs
 
     def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
+        unready, exchanging = self.participants(server_round, online)
+        return [self.pretrain(p) for p in unready] + [self.exchange(server_round, p) for p in exchanging]
+
+    def begin_round(self, server_round: int) -> None:
+        """Before the round's participants are chosen."""
+
+    def participants(self, server_round: int, online: list[int]) -> tuple[list[int], list[int]]:
+        """This round's online clients that pretrain, and those that exchange (none in the first round:
+        everyone pretrains, nobody exchanges yet); sets the round's phase."""
+        self.begin_round(server_round)
         unready = [p for p in online if not self.pretrained[p]]
-        pretraining = [self.pretrain(p) for p in unready]
-        if not self.pretrained.any():  # the first round: everyone pretrains, nobody exchanges yet
+        if not self.pretrained.any():
             self.round_phase = PRETRAIN_PHASE
-            return pretraining
+            return unready, []
         self.round_phase = self.exchange_phase()
         ready = [p for p in online if self.pretrained[p]]
-        return pretraining + [self.exchange(server_round, p) for p in self.sample(ready, self.options.client_fraction)]
+        return unready, self.sample(ready, self.options.client_fraction)
+
+    # ---- round_order: sequential (the reference code's round) --------------------------------------
+
+    def takes_turns(self) -> bool:
+        return self.options.round_order == "sequential"
+
+    def turn_order(self, server_round: int, online: list[int]) -> list[int]:
+        """The round's participants in a shuffled order drawn from the run's seed and the round (the
+        reference: ``np.random.choice(range(n), n, replace=False)`` every round)."""
+        unready, exchanging = self.participants(server_round, online)
+        everyone = unready + exchanging
+        shuffle = np.random.default_rng([self.setup.seed, server_round, TURN_ORDER_STREAM]).permutation(len(everyone))
+        return [everyone[k] for k in shuffle]
+
+    def turn_instruction(self, server_round: int, pid: int) -> Instruction:
+        """Made when ``pid``'s turn comes: its neighbours are drawn then, and their models are the
+        ones in their mailboxes then, this round's updates included."""
+        return self.pretrain(pid) if not self.pretrained[pid] else self.exchange(server_round, pid)
 
     def pretrain(self, pid: int) -> Instruction:
         """``pid`` trains its own model alone before its first exchange."""
@@ -218,20 +263,28 @@ class Gossip(ClusteredStrategy):
         return self.name
 
     def absorb(self, server_round: int, replies: list[Reply]) -> None:
+        """A synchronous round: every reply as if its turn, then the round's end."""
         for reply in replies:
-            i = reply.pid
-            self.client_models[i] = reply.model()
-            if reply.task is TRAIN:
-                self.pretrained[i] = True
-                continue
-            peers = reply.instruction.peers
-            losses = [float(reply.metrics[protocol.indexed(protocol.LOSS, j)])  # >= 0 by the task's schema
-                      for j in range(len(peers))]
-            for k, loss in zip(peers, losses):
-                self.similarity[i, k] = 1.0 / max(loss, MIN_LOSS)
-                self.met[i, k] = True
-                self.communication[i, k] += 1
-            self.after_exchange(i, peers, losses)
+            self.absorb_turn(server_round, reply)
+        self.turns_ended(server_round)
+
+    def absorb_turn(self, server_round: int, reply: Reply) -> None:
+        i = reply.pid
+        self.client_models[i] = reply.model()
+        if reply.task is TRAIN:
+            self.pretrained[i] = True
+            return
+        peers = reply.instruction.peers
+        losses = [float(reply.metrics[protocol.indexed(protocol.LOSS, j)])  # >= 0 by the task's schema
+                  for j in range(len(peers))]
+        for k, loss in zip(peers, losses):
+            self.similarity[i, k] = 1.0 / max(loss, MIN_LOSS)
+            self.met[i, k] = True
+            self.communication[i, k] += 1
+        self.after_exchange(i, peers, losses)
+
+    def turns_ended(self, server_round: int) -> None:
+        """The relay's round-end work: the similarity estimates and the implied clusters."""
         if self.round_phase != PRETRAIN_PHASE:
             self.exchanges += 1
         self.estimate = self.effective_similarity()
@@ -239,7 +292,8 @@ class Gossip(ClusteredStrategy):
             self.assignment[:] = self.implied_clusters()
 
     def after_exchange(self, pid: int, neighbours: Sequence[int], losses: Sequence[float]) -> None:
-        """What the relay learns from one client's exchange beyond s = 1/loss (replies in partition-id order)."""
+        """What the relay learns from one client's exchange beyond s = 1/loss (replies in partition-id
+        order; with sequential rounds, in turn order)."""
 
     def phase(self, server_round: int) -> str:
         return self.round_phase
@@ -341,9 +395,8 @@ class DAC(Gossip):
         until its replies are in)."""
         return self.options.tau
 
-    def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
+    def begin_round(self, server_round: int) -> None:
         self.round_tau = self.tau(server_round)  # recorded with the round (``rounds.jsonl``'s ``tau``)
-        return super().fit_instructions(server_round, online)
 
     @property
     def reference_two_hop(self) -> bool:
