@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flwr.common import Code, EvaluateIns, EvaluateRes, FitIns, FitRes, NDArrays, Parameters, Scalar
+from flwr.server.client_proxy import ClientProxy
 
 from ... import protocol
 from ...protocol import EVALUATE, MODEL, MODELS, ModelSpec, Sent, Task
@@ -167,3 +168,21 @@ def _encode(
 ) -> tuple[Parameters, dict[str, Scalar]]:
     params, layout = protocol.pack_parameters(instruction.blocks, cache)
     return params, protocol.instruction_config(instruction.task, server_round, layout, instruction.config)
+
+
+def train_losses(replies: Sequence[Reply]) -> list[float]:  # the finite ones the replies report
+    return [float(v) for r in replies if protocol.is_finite_number(v := r.metrics.get(protocol.TRAIN_LOSS))]
+
+
+def describe_failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str:
+    """One line saying why a fit failed, however Flower carried it."""
+    if isinstance(failure, BaseException):
+        text = f"{type(failure).__name__}: {failure}"
+    else:
+        proxy, res = failure
+        text = f"client {proxy.cid}: {res.status.message}"
+    # Flower's simulation wraps a ClientApp's exception in Ray's whole traceback; the client's own
+    # message follows the last "Message: ". One line per failure, however it travelled.
+    if "Message: " in text:
+        text = text.rsplit("Message: ", 1)[1].split("'>", 1)[0]
+    return text.strip().splitlines()[0] if text.strip() else text

@@ -59,7 +59,7 @@ from ...protocol import MODEL, MODELS, TRAIN, ModelSpec
 from .selection import SELECT, SELECTED, TRAIN_SELECT
 from .directory import ClientDirectory, Federation
 from .model_selection import BestValidated
-from .messages import Instruction, Reply, RoundMessages, parameters_nbytes
+from .messages import Instruction, Reply, RoundMessages, describe_failure, parameters_nbytes, train_losses
 
 __all__ = ["HOOKS", "UNASSIGNED", "Artifacts", "ClusteredStrategy", "Instruction", "Reply", "RoundReport",
            "StrategySetup"]
@@ -369,7 +369,7 @@ class ClusteredStrategy(Strategy):
         counters = self.counters
         counters.fit_failures += len(failures)
         for failure in failures:
-            log(WARNING, "round %s: a client failed during fit: %s", server_round, _describe_failure(failure))
+            log(WARNING, "round %s: a client failed during fit: %s", server_round, describe_failure(failure))
         replies = []
         for proxy, res in results:
             counters.bytes_up += parameters_nbytes(res.parameters)
@@ -440,19 +440,3 @@ class ClusteredStrategy(Strategy):
         """No centralized evaluation: every client tests its own model on its own data."""
         return None
 
-
-def train_losses(replies: Sequence[Reply]) -> list[float]:  # the finite ones the replies report
-    return [float(v) for r in replies if protocol.is_finite_number(v := r.metrics.get(protocol.TRAIN_LOSS))]
-
-
-def _describe_failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str:
-    if isinstance(failure, BaseException):
-        text = f"{type(failure).__name__}: {failure}"
-    else:
-        proxy, res = failure
-        text = f"client {proxy.cid}: {res.status.message}"
-    # Flower's simulation wraps a ClientApp's exception in Ray's whole traceback; the client's own
-    # message follows the last "Message: ". One line per failure, however it travelled.
-    if "Message: " in text:
-        text = text.rsplit("Message: ", 1)[1].split("'>", 1)[0]
-    return text.strip().splitlines()[0] if text.strip() else text

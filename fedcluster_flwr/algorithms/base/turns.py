@@ -28,8 +28,8 @@ from flwr.common import FitIns
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from .messages import Instruction, Reply, parameters_nbytes
-from .strategy import RoundCounters, train_losses
+from .messages import Instruction, Reply, parameters_nbytes, train_losses
+from .strategy import RoundCounters
 
 Turn = tuple[ClientProxy, FitIns]
 
