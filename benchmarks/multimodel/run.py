@@ -248,6 +248,10 @@ def wall_and_engine(folder: Path) -> tuple[float, str]:
     return sum(a["seconds"] for a in attempts), ", ".join(engines)
 
 
+SCALING_WORDS = {"standardized": "standardised (mean/std, dataset.scaling standardized)",
+                 "unit": "x/255 in [0, 1] (dataset.scaling unit)"}
+
+
 def render_paper_table(results_dir: Path, runs: list[TableRun], rounds: int, command: str) -> str:
     """``results.md`` and ``purity.png`` in ``results_dir`` from the finished runs' copies there."""
     methods = list(dict.fromkeys(run.labels["method"] for run in runs))
@@ -265,8 +269,8 @@ def render_paper_table(results_dir: Path, runs: list[TableRun], rounds: int, com
         f"# {conf}, the paper's algorithm, first {rounds} iterations: seeds done per method below\n\n"
         f"Written by `{command}` from the finished runs' copies in this folder (the command resumes: "
         f"run it again to continue). Seeds asked: {','.join(map(str, seeds_asked))}. Every device every "
-        f"iteration, one gradient step, one device forced into each cluster; inputs standardised "
-        f"(mean/std, the only scaling the package has). Purity over all clients; a cell `(k/n)` averages "
+        f"iteration, one gradient step, one device forced into each cluster; inputs "
+        f"{SCALING_WORDS[runs[0].config.dataset.scaling]}. Purity over all clients; a cell `(k/n)` averages "
         f"the k of n seeds that reached the target within {rounds} iterations; `final` is iteration {rounds}.\n\n"
     )
     if not results:
