@@ -151,6 +151,14 @@ def cluster_means(values: list[float], true: np.ndarray) -> list[float]:
     return [float(values[true == c].mean()) for c in range(len(CLUSTERS))]
 
 
+def finished(record: Path) -> bool:
+    """A run of ours whose record has its last line (a run stopped early has only round rows)."""
+    if not record.is_file():
+        return False
+    lines = record.read_text().splitlines()
+    return bool(lines) and "true_clusters" in json.loads(lines[-1])
+
+
 def ours(record: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     final = rows[-1]
@@ -196,7 +204,7 @@ def report(args: argparse.Namespace, seeds: list[int]) -> str:
     for method in args.methods:
         for order in args.orders:
             records = [args.out / "runs" / f"{method}_{order}_seed{s}" / "reference_check.jsonl" for s in seeds]
-            rows[f"{method}, ours, {order}"] = [ours(r) for r in records if r.is_file()]
+            rows[f"{method}, ours, {order}"] = [ours(r) for r in records if finished(r)]
         if args.reference:
             name = REFERENCE_NAMES[method]
             files = sorted(args.reference.glob(f"ref_{name}_n{args.clients}_r{args.exchanges}_t{args.train}_s*.jsonl"))

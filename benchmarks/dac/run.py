@@ -5,6 +5,8 @@ variants this project adds (no pretraining, the reference code's two-hop estimat
     python benchmarks/dac/run.py --scale reduced                        # Table 2's methods, seeds 0-2
     python benchmarks/dac/run.py --scale reduced --report variants.md \
         --methods dac,dac_no_pretraining,dac_minus,dac_minus_no_pretraining,dac_reference_two_hop,dac_var,dac_var_centred
+    python benchmarks/dac/run.py --scale reduced --report round_order.md --set simulation.engine=inprocess \
+        --methods dac,dac_sequential,random_gossip,random_gossip_sequential   # both round orders
     python benchmarks/dac/run.py --scale full                           # the paper's setting (use a GPU)
     python benchmarks/dac/run.py --scale full --methods dac --seeds 0 --rounds 3   # time a few rounds
     python benchmarks/dac/run.py --scale full --set simulation.num_gpus_per_client=0.0625   # 16 clients per GPU
@@ -13,8 +15,9 @@ variants this project adds (no pretraining, the reference code's two-hop estimat
 Needs Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Table 2's methods (the default ``--methods``):
 ``dac``, ``dac_var``, ``dac_minus`` (DAC without the two-hop estimates, the paper's "DAC −"),
 ``pens``, ``random_gossip``, ``oracle_gossip`` and ``local``; the variants ``dac_no_pretraining``,
-``dac_minus_no_pretraining``, ``dac_var_centred`` and ``dac_reference_two_hop``. All run through
-Flower's Ray engine. Every method gets the same number of rounds, so the same local training: with
+``dac_minus_no_pretraining``, ``dac_var_centred``, ``dac_reference_two_hop``, and ``dac_sequential``
+/ ``random_gossip_sequential`` (the reference code's turn-taking round, on the in-process engine).
+The others run through Flower's Ray engine unless ``--set simulation.engine=...`` says otherwise. Every method gets the same number of rounds, so the same local training: with
 pretraining (the default, as the reference code) round 1 pretrains and the others exchange; without
 it, every round exchanges. Accuracy is each client's test accuracy of its model with the lowest
 validation loss so far (the paper's model selection), averaged per true cluster. Writes
@@ -54,6 +57,10 @@ METHODS: dict[str, dict[str, object]] = {
     "dac_minus_no_pretraining": {"strategy.name": "dac", "strategy.two_hop": False, "strategy.pretrain_epochs": 0},
     "dac_var_centred": {"strategy.name": "dac_var", "strategy.tau_schedule": "centred"},
     "dac_reference_two_hop": {"strategy.name": "dac", "strategy.two_hop_estimate": "reference"},
+    # the reference code's turn-taking round (strategy.round_order sequential: the in-process engine only)
+    "dac_sequential": {"strategy.name": "dac", "strategy.round_order": "sequential", "simulation.engine": "inprocess"},
+    "random_gossip_sequential": {"strategy.name": "random_gossip", "strategy.round_order": "sequential",
+                                 "simulation.engine": "inprocess"},
 }
 SCALES: dict[str, dict[str, object]] = {
     # the conf as it is: 100 clients x (500 train + 100 validation + 100 test), the reference CNN,
