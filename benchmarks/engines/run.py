@@ -11,7 +11,10 @@ clients x one epoch at the confs' batch sizes, timed alternately one client afte
 batched engine's CPU workers runs (one per core); the ratio is per pair. ``rounds``: each (conf, engine) is a fresh
 ``fedcluster run`` (the engine in its own process, as a user runs it); the table gives the median
 seconds of the rounds after the first (round 1 holds start-up and, for DAC, pre-training) and the
-whole run's wall time. Results go to benchmarks/engines/results/.
+whole run's wall time, the load before and after, and the CPU; each row is appended to
+``results/<tag>.jsonl`` as its run ends, and a run that fails is a row with its error (``--confs all``:
+every shipped conf, the CIFAR-10 ones included, which fail where CIFAR-10 is not on disk). Results
+go to benchmarks/engines/results/.
 """
 
 from __future__ import annotations
@@ -85,10 +88,21 @@ def time_models(clients: int, samples: int, repeat: int) -> list[dict]:
     return rows
 
 
-def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[str]) -> list[dict]:
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[str], log: Path) -> list[dict]:
+    """Each (conf, engine) as a fresh ``fedcluster run``; each row is appended to ``log`` as it ends, so
+    a stopped sweep keeps what it measured. A run that fails is a row with its error, not the end."""
     rows = []
     for conf in confs:
         for engine in engines:
+            row: dict = {"conf": conf, "engine": engine, "rounds": rounds, "cpu": cpu_model(),
+                         "load_before": os.getloadavg()[0]}
             with tempfile.TemporaryDirectory() as folder:
                 out = Path(folder) / "run"
                 command = [sys.executable, "-m", "fedcluster_flwr.cli", "run", str(ROOT / "conf" / f"{conf}.yaml"),
@@ -96,14 +110,18 @@ def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[s
                            *[item for setting in extra for item in ("--set", setting)]]
                 started = time.perf_counter()
                 done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-                wall = time.perf_counter() - started
+                row["wall_seconds"] = time.perf_counter() - started
                 if done.returncode != 0:
-                    raise SystemExit(f"{conf} on {engine} failed:\n{done.stderr[-2000:]}")
-                seconds = [json.loads(line)["seconds"] for line in (out / "rounds.jsonl").read_text().splitlines()]
-            row = {"conf": conf, "engine": engine, "rounds": rounds, "round_seconds": seconds,
-                   "median_after_first": statistics.median(seconds[1:]) if len(seconds) > 1 else None,
-                   "wall_seconds": wall, "load": os.getloadavg()[0]}
+                    lines = [line for line in done.stderr.splitlines() if line.strip()]
+                    row["error"] = lines[-1] if lines else f"exit code {done.returncode}"
+                else:
+                    seconds = [json.loads(line)["seconds"] for line in (out / "rounds.jsonl").read_text().splitlines()]
+                    row |= {"round_seconds": seconds,
+                            "median_after_first": statistics.median(seconds[1:]) if len(seconds) > 1 else None}
+            row["load"] = os.getloadavg()[0]
             print(json.dumps(row), flush=True)
+            with log.open("a") as file:
+                file.write(json.dumps(row) + "\n")
             rows.append(row)
     return rows
 
@@ -116,7 +134,8 @@ def main() -> None:
     models.add_argument("--samples", type=int, default=80)
     models.add_argument("--repeat", type=int, default=3)
     rounds = sub.add_parser("rounds")
-    rounds.add_argument("--confs", default="default,lin_mnist_mlp,flhc_mnist_label_swap,dac_fmnist_rot4")
+    rounds.add_argument("--confs", default="default,lin_mnist_mlp,flhc_mnist_label_swap,dac_fmnist_rot4",
+                        help="comma-separated conf names, or 'all' (every file in conf/)")
     rounds.add_argument("--engines", default="ray,inprocess,batched")
     rounds.add_argument("--rounds", type=int, default=3)
     rounds.add_argument("--set", action="append", default=[], help="an override for every run")
@@ -126,7 +145,9 @@ def main() -> None:
     if args.what == "models":
         rows, name = time_models(args.clients, args.samples, args.repeat), "models"
     else:
-        rows, name = time_rounds(args.confs.split(","), args.engines.split(","), args.rounds, args.set), args.tag
+        confs = sorted(p.stem for p in (ROOT / "conf").glob("*.yaml")) if args.confs == "all" else args.confs.split(",")
+        rows = time_rounds(confs, args.engines.split(","), args.rounds, args.set, RESULTS / f"{args.tag}.jsonl")
+        name = args.tag
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {RESULTS / f'{name}.json'}")
 
