@@ -19,6 +19,7 @@ from flwr.clientapp import ClientApp
 from . import protocol
 from .config_sections import ExperimentConfig
 from .data.device import DeviceClient, FolderSource, load_device_data, node_data_source
+from .data.sources import input_format
 from .experiment import config_from_run_config, configure_torch, make_client
 
 
@@ -45,7 +46,7 @@ def make_device_client(config: ExperimentConfig, source: FolderSource) -> Device
     """The client of a SuperNode started with ``data-dir``: client ``source.client_id`` of the
     experiment, on the folder's data."""
     configure_torch(config)  # before the device's data become tensors (portable numerics' pins)
-    data = load_device_data(source.data_dir, config.dataset.name, config.num_classes)
+    data = load_device_data(source.data_dir, input_format(config))
     return make_client(
         config, source.client_id, config.partition.num_clients, data=data,
         client_class=functools.partial(DeviceClient, cluster_id=source.cluster_id),

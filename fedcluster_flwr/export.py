@@ -15,8 +15,8 @@ import yaml
 
 from .config import config_to_dict
 from .config_sections import ExperimentConfig
-from .data.datasets import DATASETS
 from .data.device import CLIENT_ID, CLUSTER_ID, DATA_DIR, MANIFEST_FILE, NPZ_FILE, SPLITS
+from .data.sources import normalization
 from .experiment import client_data, experiment_data
 
 
@@ -35,7 +35,8 @@ def export_partitions(config: ExperimentConfig, out_dir: Path | str, images: boo
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     plain = config_to_dict(config)
-    _, partition = experiment_data(config)
+    pool, partition = experiment_data(config)
+    mean, std = normalization(pool.mean, pool.std, config.dataset.scaling)  # what the model inputs were made with
     clients = []
     for pid in range(config.partition.num_clients):
         folder = out / f"client_{pid}"
@@ -46,7 +47,7 @@ def export_partitions(config: ExperimentConfig, out_dir: Path | str, images: boo
             arrays |= {"x_val": data.x_val, "y_val": data.y_val}
         np.savez(folder / NPZ_FILE, **{key: value.numpy() for key, value in arrays.items()})
         if images:
-            _write_png_tree(folder, arrays, config.dataset.name)
+            _write_png_tree(folder, arrays, mean, std)
         true_cluster = int(partition.true_clusters[pid])
         clients.append({
             "client_id": pid,
@@ -70,17 +71,16 @@ def export_partitions(config: ExperimentConfig, out_dir: Path | str, images: boo
     return manifest
 
 
-def _write_png_tree(folder: Path, arrays: Mapping[str, torch.Tensor], dataset: str) -> None:
-    """8-bit PNGs of model inputs (undoing the standardisation): for devices that read images."""
+def _write_png_tree(folder: Path, arrays: Mapping[str, torch.Tensor], mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    """8-bit PNGs of model inputs (undoing their normalisation by ``mean``/``std``): for devices that read images."""
     from PIL import Image
 
-    facts = DATASETS[dataset]
-    mean = torch.tensor(facts.mean).view(1, -1, 1, 1)
-    std = torch.tensor(facts.std).view(1, -1, 1, 1)
+    shift = torch.tensor(mean).view(1, -1, 1, 1)
+    spread = torch.tensor(std).view(1, -1, 1, 1)
     for split in SPLITS:
         if f"x_{split}" not in arrays:
             continue
-        pixels = ((arrays[f"x_{split}"] * std + mean).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+        pixels = ((arrays[f"x_{split}"] * spread + shift).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
         for index, (image, label) in enumerate(zip(pixels, arrays[f"y_{split}"].tolist())):
             target = folder / split / str(label)
             target.mkdir(parents=True, exist_ok=True)

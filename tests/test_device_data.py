@@ -15,6 +15,7 @@ from fedcluster_flwr.client_app import make_client_fn
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.data import DataError
 from fedcluster_flwr.data.device import NodeConfigError, load_device_data, node_data_source
+from fedcluster_flwr.data.sources import InputFormat, input_format
 from fedcluster_flwr.export import config_hash, export_partitions
 from fedcluster_flwr.experiment import client_data
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
@@ -44,7 +45,7 @@ def test_an_exported_partition_gives_the_data_dir_client_exactly_the_simulated_c
     for entry in manifest["clients"]:
         pid = entry["client_id"]
         simulated = client_data(config, pid)
-        device = load_device_data(tmp_path / entry["dir"], config.dataset.name, config.num_classes)
+        device = load_device_data(tmp_path / entry["dir"], input_format(config))
         for got, expected in zip(splits(device) + [device.x_val, device.y_val],
                                  splits(simulated) + [simulated.x_val, simulated.y_val]):
             if expected is None:
@@ -76,7 +77,7 @@ def test_an_image_folder_tree_is_read_as_the_simulation_normalises_it(tmp_path):
     config, _ = load_config(DEFAULT_CONFIG, THREE_CLIENTS)
     export_partitions(config, tmp_path, images=True)
     (tmp_path / "client_1" / "data.npz").unlink()  # the folder now holds only the PNG tree
-    device = load_device_data(tmp_path / "client_1", "digits", 10)
+    device = load_device_data(tmp_path / "client_1", InputFormat.builtin("digits"))
     simulated = client_data(config, 1)
     for x_device, y_device, x_sim, y_sim in ((device.x_train, device.y_train, simulated.x_train, simulated.y_train),
                                              (device.x_test, device.y_test, simulated.x_test, simulated.y_test)):
@@ -85,6 +86,35 @@ def test_an_image_folder_tree_is_read_as_the_simulation_normalises_it(tmp_path):
         pixel = 1 / 255 / 0.375  # one 8-bit step, in standardised units
         np.testing.assert_allclose(np.sort(x_device.flatten().numpy()), np.sort(x_sim.flatten().numpy()),
                                    atol=pixel / 2 + 1e-6)  # the tree is grouped by label: compared as sets
+
+
+def test_with_unit_scaling_the_image_tree_and_the_device_keep_inputs_in_0_1(tmp_path):
+    """dataset.scaling unit: the export undoes no standardisation it did not do, and the device
+    scales pixels as the simulation did (x/255), up to the 8-bit quantisation."""
+    config, _ = load_config(DEFAULT_CONFIG, THREE_CLIENTS + [("dataset.scaling", "unit")])
+    export_partitions(config, tmp_path, images=True)
+    (tmp_path / "client_2" / "data.npz").unlink()
+    device = load_device_data(tmp_path / "client_2", input_format(config))
+    simulated = client_data(config, 2)
+    assert float(simulated.x_train.min()) >= 0.0 and float(simulated.x_train.max()) <= 1.0
+    np.testing.assert_allclose(np.sort(device.x_train.flatten().numpy()), np.sort(simulated.x_train.flatten().numpy()),
+                               atol=1 / 255 / 2 + 1e-6)
+
+
+def test_eight_bit_images_of_a_dataset_standardised_by_its_own_statistics_are_refused_with_the_reason(tmp_path):
+    """An hf dataset is standardised by the pool's mean and std, which a device does not have."""
+    folder = tmp_path / "device"
+    (folder / "train" / "0").mkdir(parents=True)
+    (folder / "test" / "0").mkdir(parents=True)
+    from PIL import Image
+
+    for split in ("train", "test"):
+        Image.new("L", (8, 8)).save(folder / split / "0" / "a.png")
+    inputs = InputFormat("hf", (1, 8, 8), 10, None, None)
+    with pytest.raises(DataError, match=r"whole dataset's mean and std.*export-partitions.*dataset.scaling: unit"):
+        load_device_data(folder, inputs)
+    floats = write_npz(tmp_path / "floats")  # float arrays are the model's inputs already: taken as they are
+    assert load_device_data(floats, inputs).x_train.shape == (4, 1, 8, 8)
 
 
 def write_npz(folder, **arrays):
@@ -104,7 +134,7 @@ def write_npz(folder, **arrays):
 def test_a_data_file_that_does_not_fit_the_model_is_one_error_naming_the_file(tmp_path, arrays, message):
     folder = write_npz(tmp_path / "bad", **arrays)
     with pytest.raises(DataError, match=message) as error:
-        load_device_data(folder, "digits", 10)
+        load_device_data(folder, InputFormat.builtin("digits"))
     assert str(folder / "data.npz") in str(error.value) and "\n" not in str(error.value)
 
 
@@ -115,12 +145,12 @@ def test_an_image_of_the_wrong_size_is_one_error_naming_the_file(tmp_path):
     (tmp_path / "test" / "3").mkdir(parents=True)
     Image.new("L", (28, 28)).save(tmp_path / "train" / "3" / "a.png")
     with pytest.raises(DataError, match=r"train/3/a.png is 28x28 pixels; digits images are 8x8"):
-        load_device_data(tmp_path, "digits", 10)
+        load_device_data(tmp_path, InputFormat.builtin("digits"))
 
 
 def test_an_empty_folder_says_what_it_expected(tmp_path):
     with pytest.raises(DataError, match="no data.npz and no train/<label>/\\*.png"):
-        load_device_data(tmp_path, "digits", 10)
+        load_device_data(tmp_path, InputFormat.builtin("digits"))
 
 
 @pytest.mark.parametrize("node_config, message", [

@@ -144,6 +144,29 @@ def test_a_save_to_disk_folder_loads_through_load_from_disk_and_joins_splits(tmp
 
 
 @needs_extra
+def test_its_partitions_export_to_devices_and_its_png_tree_undoes_the_pools_own_statistics(tmp_path):
+    """export-partitions on an hf pool: the float arrays are the simulated client's inputs; the PNG
+    tree is the original 8-bit pixels (un-standardised by the pool's own mean and std)."""
+    from fedcluster_flwr.data.device import load_device_data
+    from fedcluster_flwr.data.sources import input_format
+    from fedcluster_flwr.experiment import client_data
+    from fedcluster_flwr.export import export_partitions
+
+    images, labels = quadrant_images(40)
+    config = hf_config(parquet_folder(tmp_path / "parquet", images, labels), tmp_path, ("partition.num_clients", 2))
+    export_partitions(config, tmp_path / "export", images=True)
+    device = load_device_data(tmp_path / "export" / "client_0", input_format(config))
+    assert np.array_equal(device.x_train.numpy(), client_data(config, 0).x_train.numpy())
+    pngs = sorted((tmp_path / "export" / "client_0" / "train").rglob("*.png"))
+    from PIL import Image
+
+    written = np.sort(np.concatenate([np.asarray(Image.open(p)).ravel() for p in pngs]))
+    pool, partition = experiment_data(config)
+    original = np.sort(pool.images[partition.train_indices[0]].numpy().ravel())
+    assert np.abs(written.astype(int) - original.astype(int)).max() <= 1  # float32 round trip, then rounding
+
+
+@needs_extra
 def test_colour_images_are_channels_first_with_their_own_channel_statistics(tmp_path):
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (12, 6, 5, 3), dtype=np.uint8)

@@ -35,6 +35,7 @@ from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOption
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
 from fedcluster_flwr.data import DataError, load_pool
 from fedcluster_flwr.data.device import load_device_data
+from fedcluster_flwr.data.sources import InputFormat
 from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.experiment import experiment_data, make_client
 from fedcluster_flwr.protocol import ACCURACY, EVALUATE, MODELS, TRAIN, ProtocolError
@@ -141,7 +142,7 @@ def test_a_file_where_a_data_folder_belongs_is_named_as_a_file(tmp_path, dataset
 def test_a_devices_data_dir_that_is_a_file_is_named_as_a_file(tmp_path):
     (tmp_path / "device").write_text("")
     with pytest.raises(DataError, match=rf"^{tmp_path / 'device'}: is a file, expected a folder \(data-dir of this SuperNode"):
-        load_device_data(tmp_path / "device", "digits", 10)
+        load_device_data(tmp_path / "device", InputFormat.builtin("digits"))
 
 
 def test_a_data_dir_that_is_a_file_is_one_line_before_the_run_starts(tmp_path, capsys, monkeypatch):

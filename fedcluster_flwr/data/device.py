@@ -40,7 +40,8 @@ import torch
 
 from ..client import ClientData, ClusterClient
 from ..protocol import DATA_SOURCE, DATA_SOURCE_FOLDER, TRAIN_EXAMPLES, TRUE_CLUSTER
-from .datasets import DATASETS, DataError
+from .datasets import DataError
+from .sources import InputFormat
 
 NPZ_FILE = "data.npz"
 MANIFEST_FILE = "manifest.json"
@@ -128,23 +129,22 @@ def _int_entry(node_config: Mapping[str, Any], key: str) -> int:
 # ---- loading a device's data folder ------------------------------------------------------------
 
 
-def load_device_data(data_dir: Path | str, dataset: str, num_classes: int) -> ClientData:
-    """The data in ``data_dir`` for a model of ``dataset``'s input shape with ``num_classes``
-    outputs; loaded once per process (client_fn runs every round)."""
-    return _load_device_data(str(Path(data_dir).expanduser().resolve()), dataset, num_classes)
+def load_device_data(data_dir: Path | str, inputs: InputFormat) -> ClientData:
+    """The data in ``data_dir`` for a model that takes ``inputs``; loaded once per process
+    (client_fn runs every round)."""
+    return _load_device_data(str(Path(data_dir).expanduser().resolve()), inputs)
 
 
 @functools.lru_cache(maxsize=4)
-def _load_device_data(data_dir: str, dataset: str, num_classes: int) -> ClientData:
+def _load_device_data(data_dir: str, inputs: InputFormat) -> ClientData:
     folder = Path(data_dir)
     if not folder.is_dir():
         problem = "is a file, expected a folder" if folder.exists() else "does not exist"
         raise DataError(f"{folder}: {problem} (data-dir of this SuperNode: the folder holding {NPZ_FILE} or train/ and test/)")
     if (folder / NPZ_FILE).is_file():
-        splits = _read_npz(folder / NPZ_FILE, dataset, num_classes)
+        splits = _read_npz(folder / NPZ_FILE, inputs)
     elif (folder / "train").is_dir():
-        splits = {split: _read_image_folder(folder / split, dataset, num_classes)
-                  for split in SPLITS if (folder / split).is_dir()}
+        splits = {split: _read_image_folder(folder / split, inputs) for split in SPLITS if (folder / split).is_dir()}
     else:
         raise DataError(f"{folder}: no {NPZ_FILE} and no train/<label>/*.png folder (data-dir of this SuperNode)")
     for split in ("train", "test"):
@@ -156,7 +156,7 @@ def _load_device_data(data_dir: str, dataset: str, num_classes: int) -> ClientDa
     return ClientData(*splits["train"], *splits["test"], *val)
 
 
-def _read_npz(path: Path, dataset: str, num_classes: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _read_npz(path: Path, inputs: InputFormat) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
@@ -171,21 +171,21 @@ def _read_npz(path: Path, dataset: str, num_classes: int) -> dict[str, tuple[tor
             if key not in arrays:
                 raise DataError(f"{path}: lacks '{key}' (expected x_train, y_train, x_test, y_test)")
         splits[split] = (
-            _images(arrays[x_key], dataset, f"{path}: {x_key}"),
-            _labels(arrays[y_key], len(arrays[x_key]), num_classes, f"{path}: {y_key}"),
+            _images(arrays[x_key], inputs, f"{path}: {x_key}"),
+            _labels(arrays[y_key], len(arrays[x_key]), inputs.num_classes, f"{path}: {y_key}"),
         )
     return splits
 
 
-def _images(x: np.ndarray, dataset: str, where: str) -> torch.Tensor:
-    """Model inputs from float images (as they are) or 8-bit pixels (scaled and standardised)."""
-    shape = DATASETS[dataset].input_shape
+def _images(x: np.ndarray, inputs: InputFormat, where: str) -> torch.Tensor:
+    """Model inputs from float images (as they are) or 8-bit pixels (scaled and normalised)."""
+    shape = inputs.shape
     if x.ndim == 3 and shape[0] == 1:
         x = x[:, None]
     if x.ndim != 4 or tuple(x.shape[1:]) != shape:
-        raise DataError(f"{where} has shape {x.shape}, but the model takes {dataset} images (N, {', '.join(map(str, shape))})")
+        raise DataError(f"{where} has shape {x.shape}, but the model takes {inputs.dataset} images (N, {', '.join(map(str, shape))})")
     if x.dtype == np.uint8:
-        return _standardise(torch.from_numpy(x.astype(np.float32) / 255.0), dataset)
+        return _normalise(torch.from_numpy(x.astype(np.float32) / 255.0), inputs, where)
     if x.dtype != np.float32:
         raise DataError(f"{where} has dtype {x.dtype}; expected float32 model inputs or uint8 pixels")
     if not np.isfinite(x).all():
@@ -193,10 +193,14 @@ def _images(x: np.ndarray, dataset: str, where: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def _standardise(x: torch.Tensor, dataset: str) -> torch.Tensor:
-    facts = DATASETS[dataset]
-    mean = torch.tensor(facts.mean).view(1, -1, 1, 1)
-    std = torch.tensor(facts.std).view(1, -1, 1, 1)
+def _normalise(x: torch.Tensor, inputs: InputFormat, where: str) -> torch.Tensor:
+    if inputs.mean is None or inputs.std is None:
+        raise DataError(
+            f"{where}: 8-bit images of dataset {inputs.dataset} are standardised by the whole dataset's mean and "
+            "std, which a device cannot compute: give it the float arrays of `fedcluster export-partitions` "
+            "(data.npz), or run the experiment with dataset.scaling: unit")
+    mean = torch.tensor(inputs.mean).view(1, -1, 1, 1)
+    std = torch.tensor(inputs.std).view(1, -1, 1, 1)
     return (x - mean) / std
 
 
@@ -210,10 +214,11 @@ def _labels(y: np.ndarray, count: int, num_classes: int, where: str) -> torch.Te
     return torch.from_numpy(y.astype(np.int64))
 
 
-def _read_image_folder(root: Path, dataset: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_image_folder(root: Path, inputs: InputFormat) -> tuple[torch.Tensor, torch.Tensor]:
     from PIL import Image
 
-    channels, height, width = DATASETS[dataset].input_shape
+    channels, height, width = inputs.shape
+    num_classes = inputs.num_classes
     mode = {1: "L", 3: "RGB"}[channels]
     images, labels = [], []
     for label_dir in sorted(p for p in root.iterdir() if p.is_dir()):
@@ -226,13 +231,13 @@ def _read_image_folder(root: Path, dataset: str, num_classes: int) -> tuple[torc
             except OSError as err:
                 raise DataError(f"{file}: not a readable image ({err})") from None
             if pixels.shape[:2] != (height, width):
-                raise DataError(f"{file} is {pixels.shape[1]}x{pixels.shape[0]} pixels; {dataset} images are {width}x{height}")
+                raise DataError(f"{file} is {pixels.shape[1]}x{pixels.shape[0]} pixels; {inputs.dataset} images are {width}x{height}")
             images.append(pixels.reshape(height, width, channels).transpose(2, 0, 1))
             labels.append(int(label_dir.name))
     if not images:
         return torch.empty((0, channels, height, width)), torch.empty(0, dtype=torch.long)
     x = torch.from_numpy(np.stack(images).astype(np.float32) / 255.0)
-    return _standardise(x, dataset), torch.as_tensor(labels, dtype=torch.long)
+    return _normalise(x, inputs, str(root)), torch.as_tensor(labels, dtype=torch.long)
 
 
 class DeviceClient(ClusterClient):
