@@ -44,7 +44,7 @@ import yaml
 from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape
 from .config import config_to_dict, load_config, parse_override
 from .config_sections import ExperimentConfig
-from .engines.simulation import Job, check_ray_address, encode_job
+from .engines.simulation import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
 from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
@@ -185,9 +185,16 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
         release_unused_claim(job.run_dir)  # stopped while starting: "start it again with the same command" works
         raise Interrupted(stopped[0], job.run_dir)
     if error is not None:
-        if error["user"]:
-            raise ConfigError("", error["error"])
-        raise RunFailed(f"the simulation failed: {error['error']} (its traceback is above); {what_was_kept(job.run_dir)}")
+        raise engine_error(error, job.run_dir)
+
+
+def engine_error(event: dict[str, Any], run_dir: Path) -> Exception:
+    """The one-line error for the engine's error event (:func:`.engines.simulation.error_event`)."""
+    if event["kind"] == USER:
+        return ConfigError("", event["error"])
+    if event["kind"] == OUTPUT:
+        return RunFailed(f"the results could not be written in {run_dir} ({event['error']}); {what_was_kept(run_dir)}")
+    return RunFailed(f"the simulation failed: {event['error']} (its traceback is above); {what_was_kept(run_dir)}")
 
 
 def _end_group(engine: subprocess.Popen | None) -> None:

@@ -335,6 +335,34 @@ def test_a_full_disk_is_one_line_before_the_data_are_read_and_leaves_nothing(tmp
     assert list(tmp_path.iterdir()) == []  # not the folder, not the probe
 
 
+def test_a_disk_that_fills_during_the_run_is_one_line_saying_what_was_kept(tmp_path, monkeypatch):
+    """No traceback for a full disk mid-run: the engine tells the supervisor, which says in one line
+    what is there (the last checkpoint before the disk filled)."""
+    from fedcluster_flwr.engines import simulation
+    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.recorder import RunRecorder
+
+    config, _ = load_config(DEFAULT_CONFIG, [("rounds", 4), ("strategy.name", "fedavg")])
+    save = RunRecorder.save_checkpoint
+
+    def fills_at_round_3(self, checkpoint):
+        if checkpoint["round"] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.run_dir / "checkpoint" / ".tmp-models"))
+        save(self, checkpoint)
+
+    monkeypatch.setattr(RunRecorder, "save_checkpoint", fills_at_round_3)
+    run_dir = tmp_path / "run"
+    with pytest.raises(OSError) as raised:
+        run_in_process(config, run_dir)
+    event = simulation.error_event(raised.value)
+    assert event["kind"] == simulation.OUTPUT
+    message = str(runner.engine_error(event, run_dir))
+    assert message == (f"the results could not be written in {run_dir} (No space left on device); rounds 1-2 are in "
+                       f"{run_dir}, checkpointed (fedcluster resume {run_dir} continues them)")
+    assert all(path.exists() for path in named_paths(message)), message
+    assert simulation.error_event(ValueError("x"))["kind"] == simulation.BUG  # a bug keeps its traceback
+
+
 def named_paths(message: str) -> list[Path]:
     return [Path(token.strip(";,()")) for token in message.split() if token.startswith("/")]
 

@@ -33,11 +33,13 @@ is written atomically, so the last complete round is always there to resume from
 Protocol: the supervisor writes the pickled :class:`Job` (8-byte length, then the bytes) to this
 process's stdin and keeps stdin open; this process writes one JSON object per line to the file
 descriptor named on its command line: ``{"round": row}`` per round, then ``{"error": message,
-"user": bool}`` if the simulation raised (``user``: a configuration or data mistake, one line).
+"kind": ...}`` if the simulation raised (:func:`error_event`: a configuration or data mistake, the
+results not writable, or a bug, whose traceback this process prints).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -184,10 +186,26 @@ def check_ray_address(config: ExperimentConfig, timeout_s: float = 5.0) -> None:
         ) from None
 
 
-def main(events_fd: int) -> None:
+# What kind of error ended a simulation (the ``kind`` of its error event).
+USER = "user"  # a configuration or data mistake: one line
+OUTPUT = "output"  # the results could not be written (a full or read-only disk): one line
+BUG = "bug"  # anything else: the traceback, then one line
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def error_event(err: BaseException) -> dict[str, Any]:
+    """The event that tells the supervisor why the simulation stopped."""
     from ..data import DataError
     from ..schema import ConfigError
 
+    if isinstance(err, (ConfigError, DataError)):
+        return {"error": str(err), "kind": USER}
+    if isinstance(err, OSError) and err.errno in OUTPUT_ERRNOS:  # the file it names may be a removed temporary
+        return {"error": err.strerror or os.strerror(err.errno), "kind": OUTPUT}
+    return {"error": f"{type(err).__name__}: {err}", "kind": BUG}
+
+
+def main(events_fd: int) -> None:
     try:
         job = read_job(0)
     except EOFError:  # the supervisor was stopped before it handed over the job: nothing started
@@ -201,13 +219,12 @@ def main(events_fd: int) -> None:
     code = 0
     try:
         simulate(job, lambda row: send({"round": row}))
-    except (ConfigError, DataError) as err:
-        send({"error": str(err), "user": True})
-        code = 2
-    except BaseException as err:  # noqa: BLE001 - a bug: its traceback for the developer, one line for the user
-        traceback.print_exc()
-        send({"error": f"{type(err).__name__}: {err}", "user": False})
-        code = 1
+    except BaseException as err:  # noqa: BLE001 - told to the supervisor, which says it in one line
+        event = error_event(err)
+        if event["kind"] == BUG:
+            traceback.print_exc()  # for the developer
+        send(event)
+        code = 2 if event["kind"] == USER else 1
     events.close()
     sys.stdout.flush()
     sys.stderr.flush()
