@@ -9,6 +9,8 @@ into these.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -200,3 +202,8 @@ class ExperimentConfig:
     @property
     def num_classes(self) -> int:
         return dataset_shape(self.dataset)[1]
+
+    @property
+    def input_size(self) -> int:
+        """Values per sample (C·H·W): a bound for options that reduce the inputs' dimension."""
+        return math.prod(self.input_shape)

@@ -53,7 +53,7 @@ from ...protocol import MODEL
 from . import tasks as oneshot
 from .tasks import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ...plots import plot_client_matrix
-from ...schema import AtMostOne, Interval, Is, OnlyWith, RequiredWith, at_least, join_key, option, require
+from ...schema import AtMostOne, Interval, Is, NoMoreThan, OnlyWith, RequiredWith, at_least, join_key, option, require
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register
@@ -93,6 +93,8 @@ class FeatureMapOptions:
         RequiredWith("feature_dim", Is("features", "random_projection")),
         OnlyWith("pretrained_weights", Is("features", "pretrained")),
     )
+    experiment_rules = (NoMoreThan("feature_dim", "input_size", message="cannot exceed the model input's size C·H·W "
+                                   "({bound}): a random projection reduces the inputs' dimension; got {feature_dim}"),)
 
     def validate(self, prefix: str) -> None:
         if self.features == "pretrained":  # the file must exist: nothing is downloaded
