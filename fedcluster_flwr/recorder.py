@@ -27,12 +27,13 @@ written anything. The claim stays: a folder once claimed is a used folder.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
 import shutil
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,36 @@ def claim_run_dir(run_dir: Path, key: str = "") -> None:
         claim.unlink(missing_ok=True)
         raise RunFolderTaken(run_dir, f"cannot be written ({err.strerror or err}); free space or give another directory",
                              key) from None
+
+
+_HELD: set[Path] = set()  # the run folders this process holds (see ``holding``)
+
+
+@contextlib.contextmanager
+def holding(run_dir: Path, key: str = "") -> Iterator[None]:
+    """This process's exclusive hold on the existing folder ``run_dir`` while it runs or continues the
+    run there: a second ``fedcluster run``/``resume`` of the same folder meanwhile is refused in one
+    line (:class:`RunFolderTaken`) instead of writing beside it. An advisory lock on the folder itself
+    (no file is added), which the operating system drops when the process ends, however it ends.
+    Nested holds of one folder in one process are one hold."""
+    folder = Path(run_dir).resolve()
+    if folder in _HELD:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderTaken(run_dir, "is in use: another fedcluster process is running or continuing the run "
+                                 "there; wait for it to end (or stop it), then try again", key) from None
+        _HELD.add(folder)
+        try:
+            yield
+        finally:
+            _HELD.discard(folder)
+    finally:
+        os.close(fd)
 
 
 def check_run_dir_free(run_dir: Path, key: str = "") -> None:

@@ -41,12 +41,12 @@ from typing import Any, Protocol
 
 import yaml
 
-from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape
+from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
 from .config import config_to_dict, load_config, parse_override
 from .config_sections import ExperimentConfig
 from .engines.simulation import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
-from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, release_unused_claim
+from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
 from .run_outcome import stop_message, what_was_kept
 from .schema import ConfigError, require
@@ -95,13 +95,14 @@ def run_experiment(
         )
     preflight(config, run_dir, resuming=resume_from > 0)
     last_round = config.rounds if stop_after is None else stop_after
-    if progress is not None:
-        progress.start(config, run_dir, resume_from, last_round)
-    try:
-        _run_engine(Job(config, run_dir, resume_from, stop_after, verbose), progress)
-    finally:
+    with holding(run_dir):
         if progress is not None:
-            progress.close()
+            progress.start(config, run_dir, resume_from, last_round)
+        try:
+            _run_engine(Job(config, run_dir, resume_from, stop_after, verbose), progress)
+        finally:
+            if progress is not None:
+                progress.close()
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     done = summary["completed_rounds"] if summary else 0
@@ -377,11 +378,17 @@ def continue_run(
                        continuation.overrides)
         except RunFolderTaken as err:  # a used or contested --out
             raise RunFolderTaken(err.run_dir, err.reason, "--out") from None
-    elif continuation.extended:
-        atomic_write(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    return run_experiment(
-        config, run_dir, progress=progress, verbose=verbose, resume_from=continuation.completed_round
-    )
+        return run_experiment(config, run_dir, progress=progress, verbose=verbose,
+                              resume_from=continuation.completed_round)
+    with holding(run_dir):
+        if checkpoint_round(run_dir) != continuation.completed_round:  # another process went on meanwhile
+            raise RunFolderTaken(run_dir, f"changed while this command started: its checkpoint is no longer round "
+                                 f"{continuation.completed_round}; run the command again")
+        if continuation.extended:
+            atomic_write(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        return run_experiment(
+            config, run_dir, progress=progress, verbose=verbose, resume_from=continuation.completed_round
+        )
 
 
 def check_checkpoint_fits(config: ExperimentConfig, state: dict[str, Any], run_dir: Path) -> None:

@@ -11,6 +11,7 @@ behaviour fails the test at once instead of exhausting the machine.
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
@@ -361,6 +362,39 @@ def test_a_disk_that_fills_during_the_run_is_one_line_saying_what_was_kept(tmp_p
                        f"{run_dir}, checkpointed (fedcluster resume {run_dir} continues them)")
     assert all(path.exists() for path in named_paths(message)), message
     assert simulation.error_event(ValueError("x"))["kind"] == simulation.BUG  # a bug keeps its traceback
+
+
+def test_a_run_folder_in_use_is_not_continued_beside_its_user_and_a_stale_plan_is_refused(tmp_path, capsys):
+    """Two processes never write one run: a resume while another process holds the folder (a run or a
+    resume still going) is one line, exit 2, nothing written; a resume planned from a checkpoint that
+    moved on before it could start is refused too."""
+    from fedcluster_flwr.runner import continue_run, plan_continuation
+    import dataclasses as dc
+
+    run = tmp_path / "run"
+    code, _, _ = fedcluster(capsys, "run", str(DEFAULT_CONFIG), "--out", str(run), "--set", "rounds=4",
+                            "--set", "strategy.name=fedavg", "--set", "simulation.engine=inprocess",
+                            "--stop-after", "2", "--no-progress")
+    assert code == 0
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)", str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        code, _, err = fedcluster(capsys, "resume", str(run), "--no-progress")
+        assert code == 2
+        assert one_error_line(err) == (f"error: {run}: is in use: another fedcluster process is running or continuing "
+                                       "the run there; wait for it to end (or stop it), then try again")
+        assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    stale = dc.replace(plan_continuation(run), completed_round=1)
+    with pytest.raises(runner.RunFolderTaken, match="no longer round 1; run the command again"):
+        continue_run(stale)
+    code, _, _ = fedcluster(capsys, "resume", str(run), "--no-progress")
+    assert code == 0 and json.loads((run / "summary.json").read_text())["finished"] is True
 
 
 def named_paths(message: str) -> list[Path]:
