@@ -5,13 +5,15 @@ Each case is small and computed by hand."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 
-from fedcluster_flwr.aggregation import average_layers
+from fedcluster_flwr.aggregation import average_layers, lowest
+from fedcluster_flwr.algorithms.cfl.math import bipartition, cosine_similarity
 from fedcluster_flwr.algorithms.dac.math import centred_tau, two_hop_similarities
-from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_row
+from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_row, within_and_across
 from fedcluster_flwr.algorithms.pacfl.math import closest_cluster, principal_angles, subspace_proximity
 
 # ---- aggregation -------------------------------------------------------------------------------
@@ -177,3 +179,73 @@ def test_principal_angles_are_computed_in_float64_whatever_the_bases_dtype():
 def test_an_unknown_proximity_is_named():
     with pytest.raises(ValueError, match=r"unknown proximity 'cosine'; expected one of \('smallest_angle'"):
         subspace_proximity(np.eye(2), np.eye(2), "cosine")
+
+
+def test_lowest_keeps_ties_in_position_order_past_16_values():
+    values = [0.5 if i % 2 else 0.2 for i in range(40)]
+    assert lowest(values, 5) == [0, 2, 4, 6, 8]
+    assert lowest([3.0, 1.0, 2.0], 2) == [1, 2]
+
+
+# ---- CFL ---------------------------------------------------------------------------------------
+
+
+def test_the_bipartition_is_single_linkage_unless_told():
+    """A chain 0..5 (s = 1 − 0.1·|i − j|) and item 6, 0.55 similar to all but 5 (0.6): single
+    linkage cuts the maximum spanning tree's weakest edge (6's, at 0.6), Sattler et al.'s optimum;
+    complete linkage cuts the chain (its largest cross similarity is 0.9)."""
+    similarity = np.array([[max(0.0, 1 - 0.1 * abs(i - j)) for j in range(7)] for i in range(7)])
+    similarity[6, :] = similarity[:, 6] = 0.55
+    similarity[5, 6] = similarity[6, 5] = 0.6
+    similarity[6, 6] = 1.0
+    labels, cross = bipartition(similarity)
+    assert labels.tolist() == [0, 0, 0, 0, 0, 0, 1] and cross == pytest.approx(0.6)
+    labels, cross = bipartition(similarity, "complete")
+    assert labels.tolist() != [0, 0, 0, 0, 0, 0, 1] and cross == pytest.approx(0.9)
+
+
+def test_a_bipartition_of_two_items_separates_them():
+    labels, cross = bipartition(np.array([[1.0, 0.3], [0.3, 1.0]]))
+    assert labels.tolist() == [0, 1] and cross == 0.3
+
+
+@pytest.mark.parametrize("similarity", [np.ones((3, 2)), np.ones(3), np.ones((1, 1))], ids=["not_square", "1d", "one_item"])
+def test_a_bipartition_needs_a_square_matrix_of_two_items(similarity):
+    with pytest.raises(ValueError, match="a bi-partition needs a square similarity matrix of at least 2 items"):
+        bipartition(similarity)
+
+
+def test_an_unknown_bipartition_linkage_is_named():
+    with pytest.raises(ValueError, match=r"unknown linkage 'ward'; expected one of \('single', 'complete'\)"):
+        bipartition(np.eye(2), "ward")
+
+
+def test_a_zero_update_has_cosine_similarity_0_with_everything_itself_included():
+    updates = np.array([[1.0, 2.0, 2.0], [0.0, 0.0, 0.0], [-2.0, 0.0, 0.0]], dtype=np.float32)
+    with np.errstate(all="raise"):
+        similarity = cosine_similarity(updates)
+    np.testing.assert_allclose(similarity, [[1, 0, -1 / 3], [0, 0, 0], [-1 / 3, 0, 1]], atol=1e-12)
+
+
+def test_cosine_similarities_stay_within_minus_1_and_1_despite_round_off():
+    rows = np.random.default_rng(1).normal(size=(100, 7))
+    similarity = cosine_similarity(np.concatenate([rows, -rows]))
+    assert similarity.max() <= 1.0 and similarity.min() >= -1.0
+    np.testing.assert_allclose(np.diagonal(similarity), 1.0, atol=1e-12)
+
+
+# ---- one-shot: within and across ---------------------------------------------------------------
+
+
+def test_within_and_across_average_the_off_diagonal_entries_by_group():
+    matrix = np.array([[9.0, 1.0, 4.0], [3.0, 9.0, 6.0], [8.0, 2.0, 9.0]])
+    assert within_and_across(matrix, np.array([0, 0, 1])) == (2.0, 5.0)  # (1 + 3)/2; (4 + 6 + 8 + 2)/4
+
+
+def test_within_and_across_of_singletons_or_one_group_is_nan_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        within, across = within_and_across(np.ones((3, 3)), np.array([0, 1, 2]))
+        assert math.isnan(within) and across == 1.0
+        within, across = within_and_across(np.ones((3, 3)), np.array([0, 0, 0]))
+        assert within == 1.0 and math.isnan(across)
