@@ -361,3 +361,34 @@ def test_calibration_reports_none_when_no_cut_recovers_the_truth():
     tree = hierarchy.linkage(pairwise_distances(vectors, "l2"), method="average")
     shuffled = np.random.default_rng(0).permutation(np.repeat(np.arange(4), 6))  # unrelated to the groups
     assert calibrate.exact_threshold_interval(tree, shuffled) is None
+
+
+def test_a_clustering_record_survives_its_state_and_summarises_itself():
+    hac = hierarchical_clustering(np.array([[0.0], [0.1], [5.0]], np.float32), "l2", "single", num_clusters=2)
+    record = clustering.ClusteringRecord.of(4, [7, 3, 9], hac, "2 clusters")
+    again = clustering.ClusteringRecord.from_state(record.state_dict())
+    assert (again.round, again.pids, again.cut) == (4, (7, 3, 9), "2 clusters")
+    assert np.array_equal(again.labels, record.labels) and np.array_equal(again.linkage, record.linkage)
+    assert record.summary() == {
+        "clustering_round": 4, "clusters_found": 2, "clustered_clients": [7, 3, 9], "clustering_labels": [0, 0, 1],
+        "merge_heights": pytest.approx([0.1, 4.9], rel=1e-6), "cut": "2 clusters",
+    }
+    older = {k: v for k, v in record.state_dict().items() if k != "cut"}
+    assert clustering.ClusteringRecord.from_state(older).cut == "not recorded (checkpoint older than the cut's record)"
+    assert clustering.ClusteringRecord.from_state(None) is None
+
+
+def test_the_update_matrix_projects_only_to_fewer_dimensions_and_by_its_seed():
+    vector = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    same = UpdateMatrix(1, 50, projection_dim=50)
+    same.set_row(0, vector)
+    assert np.array_equal(same.rows[0], vector)  # projection_dim = dim: kept as it is
+    projected = [UpdateMatrix(1, 50, projection_dim=10) for _ in range(2)] + [UpdateMatrix(1, 50, projection_dim=10, seed=1)]
+    for matrix in projected:
+        matrix.set_row(0, vector)
+    assert projected[0].rows.shape == (1, 10) and np.array_equal(projected[0].rows, projected[1].rows)
+    assert not np.array_equal(projected[0].rows, projected[2].rows)
+    from sklearn.random_projection import SparseRandomProjection
+
+    expected = SparseRandomProjection(n_components=10, random_state=0).fit(np.zeros((1, 50))).transform(vector[None, :])
+    np.testing.assert_allclose(projected[0].rows[0], np.asarray(expected.todense() if hasattr(expected, "todense") else expected)[0], rtol=1e-5)
