@@ -222,6 +222,74 @@ def test_the_silhouette_cut_skips_numbers_of_clusters_that_tied_merges_make_impo
     assert labels.tolist() == [1] * 6 + [2] * 6
 
 
+def silhouette_reference(square: np.ndarray, method: str) -> tuple[np.ndarray, dict[int, float]]:
+    """The cut by definition: every K in 2..N-1 that scipy's ``maxclust`` can make, scored by
+    scikit-learn's silhouette; the largest wins, ties to the smaller K; one cluster if no K."""
+    from sklearn.metrics import silhouette_score
+
+    tree = hierarchy.linkage(squareform(square), method=method)
+    scores = {}
+    for k in range(2, len(square)):
+        labels = hierarchy.fcluster(tree, k, "maxclust")
+        if len(set(labels)) == k:
+            scores[k] = silhouette_score(square, labels, metric="precomputed")
+    best = max(scores, key=lambda k: (scores[k], -k)) if scores else 1
+    return hierarchy.fcluster(tree, best, "maxclust"), scores
+
+
+@pytest.mark.parametrize("method", ["single", "complete", "average"])
+def test_the_silhouette_cut_agrees_with_its_definition_on_small_tied_distances(method):
+    """Integer distances in 1..3 between 3 to 7 items: many tied merges, so Ks that cannot be cut
+    (skipped), and the walk's bookkeeping at every K against scikit-learn's silhouette per K."""
+    rng = np.random.default_rng(11)
+    checked = 0
+    for _ in range(150):
+        n = int(rng.integers(3, 8))
+        square = np.triu(rng.integers(1, 4, size=(n, n)).astype(float), 1)
+        square += square.T
+        expected, scores = silhouette_reference(square, method)
+        ranked = sorted(scores.values(), reverse=True)
+        if len(ranked) > 1 and ranked[0] - ranked[1] < 1e-9:
+            continue  # a tie in exact arithmetic: round-off may order it either way
+        got = silhouette_cut(hierarchy.linkage(squareform(square), method=method), squareform(square))
+        assert got.tolist() == expected.tolist(), (square.tolist(), scores)
+        checked += 1
+    assert checked > 100
+
+
+def test_the_silhouette_cut_takes_the_smaller_k_on_a_tie_and_stops_at_the_singletons_bound(monkeypatch):
+    """Every K scores 0.5 here: K = 2 wins the tie; and past K = 5 of 8 items, where at least
+    2K - N items are alone (silhouette 0), the mean cannot exceed 2 (N - K) / N <= 0.5: K = 6 and 7
+    are never scored."""
+    scored = []
+
+    def same_score(summed, sizes, label):
+        scored.append(summed.shape[1])
+        return 0.5
+
+    monkeypatch.setattr(clustering, "_mean_silhouette", same_score)
+    distances = pdist(np.random.default_rng(3).normal(size=(8, 4)))
+    tree = hierarchy.linkage(distances, "average")
+    assert len(set(tree[:, 2])) == 7  # no tied merges: every K can be cut
+    labels = silhouette_cut(tree, distances)
+    assert scored == [2, 3, 4, 5] and labels.max() == 2
+
+
+def test_an_item_at_distance_0_from_its_own_and_the_nearest_cluster_scores_0_without_a_floating_point_error():
+    square = np.array([[0, 2, 1, 1, 1, 2], [2, 0, 0, 1, 2, 1], [1, 0, 0, 2, 0, 1],
+                       [1, 1, 2, 0, 1, 1], [1, 2, 0, 1, 0, 2], [2, 1, 1, 1, 2, 0]], dtype=float)
+    expected, _ = silhouette_reference(square, "average")
+    with np.errstate(all="raise"):  # 0 / 0 in the silhouette is an item's 0, not an error
+        labels = silhouette_cut(hierarchy.linkage(squareform(square), "average"), squareform(square))
+    assert labels.tolist() == expected.tolist()
+
+
+def test_fewer_than_three_items_are_one_cluster_of_integer_labels():
+    for tree, distances in ((np.zeros((0, 4)), np.zeros(0)), (hierarchy.linkage([1.0], "single"), np.array([1.0]))):
+        labels = silhouette_cut(tree, distances)
+        assert labels.tolist() == [1] * (len(tree) + 1) and labels.dtype.kind == "i"
+
+
 def test_single_vector_forms_one_cluster():
     result = hierarchical_clustering(np.ones((1, 5), np.float32), "l2", "average", threshold=1.0)
     assert result.labels.tolist() == [0]
@@ -293,3 +361,34 @@ def test_calibration_reports_none_when_no_cut_recovers_the_truth():
     tree = hierarchy.linkage(pairwise_distances(vectors, "l2"), method="average")
     shuffled = np.random.default_rng(0).permutation(np.repeat(np.arange(4), 6))  # unrelated to the groups
     assert calibrate.exact_threshold_interval(tree, shuffled) is None
+
+
+def test_a_clustering_record_survives_its_state_and_summarises_itself():
+    hac = hierarchical_clustering(np.array([[0.0], [0.1], [5.0]], np.float32), "l2", "single", num_clusters=2)
+    record = clustering.ClusteringRecord.of(4, [7, 3, 9], hac, "2 clusters")
+    again = clustering.ClusteringRecord.from_state(record.state_dict())
+    assert (again.round, again.pids, again.cut) == (4, (7, 3, 9), "2 clusters")
+    assert np.array_equal(again.labels, record.labels) and np.array_equal(again.linkage, record.linkage)
+    assert record.summary() == {
+        "clustering_round": 4, "clusters_found": 2, "clustered_clients": [7, 3, 9], "clustering_labels": [0, 0, 1],
+        "merge_heights": pytest.approx([0.1, 4.9], rel=1e-6), "cut": "2 clusters",
+    }
+    older = {k: v for k, v in record.state_dict().items() if k != "cut"}
+    assert clustering.ClusteringRecord.from_state(older).cut == "not recorded (checkpoint older than the cut's record)"
+    assert clustering.ClusteringRecord.from_state(None) is None
+
+
+def test_the_update_matrix_projects_only_to_fewer_dimensions_and_by_its_seed():
+    vector = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    same = UpdateMatrix(1, 50, projection_dim=50)
+    same.set_row(0, vector)
+    assert np.array_equal(same.rows[0], vector)  # projection_dim = dim: kept as it is
+    projected = [UpdateMatrix(1, 50, projection_dim=10) for _ in range(2)] + [UpdateMatrix(1, 50, projection_dim=10, seed=1)]
+    for matrix in projected:
+        matrix.set_row(0, vector)
+    assert projected[0].rows.shape == (1, 10) and np.array_equal(projected[0].rows, projected[1].rows)
+    assert not np.array_equal(projected[0].rows, projected[2].rows)
+    from sklearn.random_projection import SparseRandomProjection
+
+    expected = SparseRandomProjection(n_components=10, random_state=0).fit(np.zeros((1, 50))).transform(vector[None, :])
+    np.testing.assert_allclose(projected[0].rows[0], np.asarray(expected.todense() if hasattr(expected, "todense") else expected)[0], rtol=1e-5)

@@ -3,6 +3,7 @@ round by round with synthetic clients (who receives what, FedAvg per identity, e
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
-from fedcluster_flwr.client import TaskInput
+from fedcluster_flwr.client import TaskInput, round_seed
 from fedcluster_flwr.clustering import purity
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
@@ -33,6 +34,7 @@ from fedcluster_flwr.algorithms.base.selection import (
     SIMILARITY,
     TRAIN_SELECT,
     score_models,
+    selection_metrics,
     selection_sample,
     train_best_model,
 )
@@ -157,6 +159,85 @@ def test_one_step_returns_the_chosen_model_minus_lr_times_its_gradient_on_the_se
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert output.metrics["loss_1"] == pytest.approx(float(loss.detach()), rel=1e-6)
     assert output.metrics[protocol.TRAIN_LOSS] == pytest.approx(float(loss.detach()) / 16, rel=1e-6)
+
+
+def test_the_selection_batch_takes_exactly_size_samples_and_all_of_them_unshuffled_at_their_number(digits_client):
+    _, client = digits_client
+    x, y = selection_sample(client, 3, 1)
+    assert len(y) == 1
+    everything = selection_sample(client, 3, client.num_train)
+    assert torch.equal(everything[0], client.data.x_train) and torch.equal(everything[1], client.data.y_train)
+
+
+def test_the_selection_batch_depends_on_the_client_its_seed_and_its_own_stream(digits_client):
+    """Seeded by (seed, round, client) on a stream of its own: another client, another seed, and
+    the round's training order (the first permutation ``train`` draws) all give other samples."""
+    _, client = digits_client
+    size, server_round = 10, 3
+    x, _ = selection_sample(client, server_round, size)
+    other_client, other_seed = copy.copy(client), copy.copy(client)
+    other_client.pid, other_seed.seed = client.pid + 1, client.seed + 1
+    assert not torch.equal(selection_sample(other_client, server_round, size)[0], x)
+    assert not torch.equal(selection_sample(other_seed, server_round, size)[0], x)
+    training = torch.Generator().manual_seed(round_seed(client.seed, server_round, client.pid))
+    training_order = torch.randperm(client.num_train, generator=training)
+    assert not torch.equal(client.data.x_train[training_order[:size]], x)
+
+
+def test_without_selection_settings_the_loss_is_the_mean_over_all_samples_and_lambda_is_0(digits_client):
+    """The defaults: ``selection_batch`` 0 (all training samples), ``loss_reduction`` mean and
+    ``lambda`` 0 (IFCA's rule even when directions come along)."""
+    config, client = digits_client
+    start = initial_weights(config)
+    better = trained(client, start, rounds=2)
+    step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
+    metrics = scores(client, [start, better], [step_here, [-a for a in step_here]])
+    assert metrics[SELECTED] == 1  # lambda 1 would take model 0, whose direction is this client's
+    model = client.load_model(start)
+    with torch.no_grad():
+        mean_loss = float(torch.nn.functional.cross_entropy(model(client.data.x_train), client.data.y_train))
+    assert metrics["loss_0"] == pytest.approx(mean_loss, rel=1e-5)
+
+
+def test_one_step_without_selection_settings_uses_all_samples_the_mean_loss_and_lambda_0(digits_client):
+    config, client = digits_client
+    start = initial_weights(config)
+    better = trained(client, start, rounds=2)
+    step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
+    blocks = {MODELS: [start, better], DIRECTIONS: [step_here, [-a for a in step_here]]}
+    output = train_best_model(client, TaskInput(7, blocks, {LOCAL_UPDATE_KEY: ONE_STEP}))
+    assert output.metrics[SELECTED] == 1 and output.num_examples == client.num_train
+    model = client.load_model(better)
+    with torch.no_grad():
+        mean_loss = float(torch.nn.functional.cross_entropy(model(client.data.x_train), client.data.y_train))
+    assert output.metrics["loss_1"] == pytest.approx(mean_loss, rel=1e-5)
+    assert output.metrics[protocol.TRAIN_LOSS] == pytest.approx(mean_loss, rel=1e-5)  # a mean: not divided again
+
+
+def test_one_step_takes_lambda_from_the_instruction(digits_client):
+    config, client = digits_client
+    start = initial_weights(config)
+    better = trained(client, start, rounds=2)
+    step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
+    blocks = {MODELS: [start, better], DIRECTIONS: [step_here, [-a for a in step_here]]}
+    settings = {LOCAL_UPDATE_KEY: ONE_STEP, SELECTION_BATCH_KEY: 32, LAMBDA_KEY: 1.0}
+    assert train_best_model(client, TaskInput(7, blocks, settings)).metrics[SELECTED] == 0  # only the direction counts
+
+
+@pytest.mark.parametrize(
+    ("losses", "similarities", "weight", "selected"),
+    [
+        # lambda S - (1 - lambda) L at lambda 0.5: [-0.5, -0.25], so model 1 (weighing L by 1.5: [-1.5, -1.75], model 0)
+        ([1.0, 1.5], [0.0, 1.0], 0.5, 1),
+        ([1.0, 2.0], [], 0.0, 0),  # IFCA: the lowest loss
+        ([float("nan"), 2.0, 3.0], [], 0.0, 1),  # a NaN loss is never the best
+        ([1.0, 2.0], [float("nan"), 0.0], 0.5, 1),  # nor a NaN similarity
+    ],
+)
+def test_selection_metrics_choose_by_lin_et_al_eq_4_and_never_a_nan_score(losses, similarities, weight, selected):
+    metrics = selection_metrics(losses, similarities, weight)
+    assert metrics[SELECTED] == selected
+    assert [metrics[f"loss_{k}"] for k in range(len(losses))] == pytest.approx(losses, nan_ok=True)
 
 
 # ---- the strategies, with synthetic clients ----------------------------------------------------

@@ -7,6 +7,7 @@ trap), with an engine error injected (the run stops, no client is blamed) and ou
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -200,3 +201,116 @@ def test_stacked_evaluation_on_the_cpu_is_each_clients_own_evaluation():
     got = batched_module.evaluate_stacked(group, data, CPU)
     expected = [evaluate(m, d.x, d.y, CPU) for m, d in zip(group, data)]
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+# ---- edges the mutation run found untested (docs/development.md, "Mutation testing") -----------
+
+SGD = TrainSettings(epochs=2, batch_size=4, lr=0.1, optimizer="sgd", momentum=0.0, weight_decay=0.0)
+
+
+def plain_models(count, seed=0):
+    """Models without a ``forward_stacked``: the stacked step vmaps their own forward."""
+    torch.manual_seed(seed)
+    return [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)) for _ in range(count)]
+
+
+def plain_clients(sizes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [ClientBatchData(torch.randn(n, 4, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+            for n in sizes]
+
+
+@pytest.mark.parametrize("settings", [SGD, replace(SGD, weight_decay=1.0), replace(SGD, momentum=0.5)],
+                         ids=["sgd", "weight_decay_1", "momentum"])
+def test_a_model_without_forward_stacked_trains_and_evaluates_stacked_as_each_client_alone(settings):
+    """vmap of the model's own forward; unequal clients (masked rows); weight decay at 1, the
+    declared bound's edge where a test of ``!= 0`` and one of ``!= 1`` part."""
+    sizes = [9, 4, 6]
+    alone, together, data = plain_models(3), plain_models(3), plain_clients(sizes)
+    assert stacked.stacked_forward(together[0]) is not None and not hasattr(together[0], "forward_stacked")
+    expected = [train(m, d.x, d.y, settings, torch.Generator().manual_seed(k), CPU) for k, (m, d) in enumerate(zip(alone, data))]
+    got = train_stacked(together, data, settings, [torch.Generator().manual_seed(k) for k in range(3)], CPU)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    for a, b in zip(alone, together):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    evaluated = stacked.evaluate_stacked(together, data, CPU)
+    np.testing.assert_allclose(evaluated, [evaluate(m, d.x, d.y, CPU) for m, d in zip(alone, data)], rtol=1e-5)
+
+
+def test_an_architecture_with_forward_stacked_uses_it():
+    model = models("mlp_fmnist", 1)[0]
+    assert stacked.stacked_forward(model) == model.forward_stacked
+
+
+def test_architectures_of_other_classes_are_never_stacked_together():
+    class Other(torch.nn.Sequential):
+        pass
+
+    first, second = plain_models(2)
+    other = Other(*plain_models(1)[0])
+    assert stacked.architecture_key(first) == stacked.architecture_key(second)
+    assert stacked.architecture_key(other) != stacked.architecture_key(first)
+
+
+def test_one_client_evaluates_stacked_and_a_single_right_prediction_is_accuracy_1():
+    model = plain_models(1)[0]
+    x = torch.randn(1, 4, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        y = model(x).argmax(dim=1)
+    [(loss, accuracy)] = stacked.evaluate_stacked([model], [ClientBatchData(x, y)], CPU)
+    assert accuracy == 1.0 and loss == pytest.approx(evaluate(model, x, y, CPU)[0], rel=1e-6)
+
+
+def test_clients_without_samples_take_no_step_and_report_nan():
+    group = plain_models(2)
+    before = [p.detach().clone() for p in group[0].parameters()]
+    losses = train_stacked(group, plain_clients([0, 0]), SGD, [torch.Generator().manual_seed(k) for k in range(2)], CPU)
+    assert all(np.isnan(losses))
+    assert all(torch.equal(p, q) for p, q in zip(group[0].parameters(), before))
+
+
+def test_the_stacked_optimizer_names_the_optimizers_it_knows():
+    params = stack_parameters(plain_models(2), CPU)
+    with pytest.raises(ValueError, match=r"knows the optimizers \('sgd', 'adam'\), not 'rmsprop'"):
+        StackedOptimizer(params, replace(SGD, optimizer="rmsprop"), list(params))
+
+
+def test_resident_copies_are_kept_up_to_the_byte_limit_and_freed_with_their_tensors():
+    resident = stacked.ResidentData(limit_bytes=60)
+    big, small = torch.ones(10), torch.ones(5)  # 40 and 20 bytes
+    big_copy = resident.on(big, META)
+    assert resident.on(big, META) is big_copy  # kept
+    small_copy = resident.on(small, META)
+    assert resident.on(small, META) is small_copy  # kept: 60 bytes, exactly the limit
+    third = torch.ones(10)
+    assert resident.on(third, META) is not resident.on(third, META)  # past the limit: copied each time
+    del big, big_copy  # the tensor's copy goes with it: 20 bytes held
+    fourth = torch.ones(10)
+    assert resident.on(fourth, META) is resident.on(fourth, META)  # 20 + 40 fit again
+    fifth = torch.ones(1)
+    assert resident.on(fifth, META) is not resident.on(fifth, META)  # full again
+
+
+def test_every_kind_of_hook_keeps_a_model_off_the_stacked_step():
+    def hooked(register):
+        model = plain_models(1)[0]
+        register(model)
+        return stacked.why_not_stackable(model)
+
+    assert stacked.why_not_stackable(plain_models(1)[0]) is None
+    buffered = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    assert stacked.why_not_stackable(buffered) == "models with buffers (e.g. BatchNorm) train one client at a time"
+    nested = "module '2' has a hook: its model trains one client at a time"
+    assert hooked(lambda m: m[2].register_full_backward_pre_hook(lambda *a: None)) == nested
+    assert hooked(lambda m: m.register_forward_hook(lambda *a: None)) == (
+        "module 'Sequential' has a hook: its model trains one client at a time")
+    on_parameter = "parameter '0.weight' has a hook: its model trains one client at a time"
+    assert hooked(lambda m: m[0].weight.register_hook(lambda g: g)) == on_parameter
+    assert hooked(lambda m: m[0].weight.register_post_accumulate_grad_hook(lambda p: None)) == on_parameter
+    handle = torch.nn.modules.module.register_module_full_backward_pre_hook(lambda *a: None)
+    try:
+        assert stacked.why_not_stackable(plain_models(1)[0]) == (
+            "a global module hook is registered: models train one client at a time")
+    finally:
+        handle.remove()
