@@ -392,3 +392,17 @@ def test_the_update_matrix_projects_only_to_fewer_dimensions_and_by_its_seed():
 
     expected = SparseRandomProjection(n_components=10, random_state=0).fit(np.zeros((1, 50))).transform(vector[None, :])
     np.testing.assert_allclose(projected[0].rows[0], np.asarray(expected.todense() if hasattr(expected, "todense") else expected)[0], rtol=1e-5)
+
+
+def test_available_cores_counts_the_affinity_and_falls_back_to_the_cpu_count(monkeypatch):
+    """The cores this process may use: its affinity where the platform reports one (not the machine's
+    count), else os.cpu_count(), else 1."""
+    from fedcluster_flwr.clustering import available_cores
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert available_cores() == 1
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert available_cores() == 4
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # the count is unknown
+    assert available_cores() == 1
