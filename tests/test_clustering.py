@@ -406,3 +406,11 @@ def test_available_cores_counts_the_affinity_and_falls_back_to_the_cpu_count(mon
     assert available_cores() == 4
     monkeypatch.setattr(os, "cpu_count", lambda: None)  # the count is unknown
     assert available_cores() == 1
+
+
+def test_pairwise_distances_names_an_unknown_distance_and_reads_integers_as_float32():
+    with pytest.raises(ValueError, match=r"^unknown distance 'l3'; expected one of "):
+        pairwise_distances(np.zeros((2, 3), np.float32), "l3")
+    ints = np.array([[0, 2**24 + 1], [0, 0]])  # 2**24 + 1 has no float32: it reads as 2**24
+    for distance in ("l1", "l2"):
+        assert pairwise_distances(ints, distance).tolist() == [2.0**24], distance
