@@ -414,3 +414,19 @@ def test_pairwise_distances_names_an_unknown_distance_and_reads_integers_as_floa
     ints = np.array([[0, 2**24 + 1], [0, 0]])  # 2**24 + 1 has no float32: it reads as 2**24
     for distance in ("l1", "l2"):
         assert pairwise_distances(ints, distance).tolist() == [2.0**24], distance
+
+
+def test_hierarchical_clustering_names_an_unknown_linkage_and_what_ward_needs():
+    vectors = np.array([[0.0], [1.0]], np.float32)
+    with pytest.raises(ValueError, match=r"^unknown linkage 'median'; expected one of "):
+        hierarchical_clustering(vectors, "l2", "median", num_clusters=1)
+    with pytest.raises(ValueError, match=r"^ward linkage needs l2 \(Euclidean\) distances$"):
+        hierarchical_clustering(vectors, "cosine", "ward", num_clusters=1)
+
+
+def test_a_clustering_records_dendrogram_draws_its_own_tree_title_and_cut():
+    hac = hierarchical_clustering(np.array([[0.0], [0.1], [5.0]], np.float32), "l2", "single", num_clusters=2)
+    record = clustering.ClusteringRecord.of(4, [7, 3, 9], hac, "2 clusters")
+    draw = record.dendrogram(np.array([0, 0, 0, 1, 0, 0, 0, 0, 0, 1]), None, "FL+HC, round 4")
+    assert draw.args[1:] == (["7:0", "3:1", "9:1"], None) and draw.args[0] is record.linkage
+    assert draw.keywords == {"title": "FL+HC, round 4", "num_clusters": 2}
