@@ -168,33 +168,17 @@ def test_flwr_run_ends_with_the_summary_and_a_config_error_fails_the_run(tmp_pat
     the end with everything it started), `flwr run --stream` once with a bad config and once with a
     2-round run that sets an option flwr run ignores."""
     import json
-    import os
     import re
-    import subprocess
 
     from conftest import ROOT
-    from test_deployment import BIN, Processes, free_port, wait_for
+    from test_deployment import simulation_superlink
 
-    home, logs, out = tmp_path / "flwr_home", tmp_path / "logs", tmp_path / "out"
-    home.mkdir(), logs.mkdir()
-    env = dict(os.environ) | {"FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                              "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
-    port = free_port()
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "e2e"\n\n[superlink.e2e]\n'
-                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
-    processes = Processes(logs, env)
+    out = tmp_path / "out"
+    with simulation_superlink(tmp_path) as (flwr, logs):
+        def status(output: str) -> str:
+            run_id = re.search(r"Successfully started run (\d+)", output).group(1)
+            return json.dumps(json.loads(flwr("ls", "e2e", "--run-id", run_id, "--format", "json").stdout))
 
-    def flwr(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["flwr", *args], env=env, cwd=logs, capture_output=True, text=True, timeout=540)
-
-    def status(output: str) -> str:
-        run_id = re.search(r"Successfully started run (\d+)", output).group(1)
-        return json.dumps(json.loads(flwr("ls", "e2e", "--run-id", run_id, "--format", "json").stdout))
-
-    try:
-        processes.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
-                                      "--port", str(port)])
-        wait_for(lambda: flwr("ls", "e2e").returncode == 0, 60, "the SuperLink's port")
         run = ("run", str(ROOT), "e2e", "--stream", "--federation-config", "num-supernodes=8", "--run-config")
 
         bad = flwr(*run, "rounds='abc'")
@@ -216,5 +200,3 @@ def test_flwr_run_ends_with_the_summary_and_a_config_error_fails_the_run(tmp_pat
         assert all(any(line.endswith(summary_line) for line in lines) for summary_line in expected)
         assert "History (" not in good.stdout and "no effect under flwr run: simulation.num_cpus_per_client=2.0" in good.stdout
         assert "finished:completed" in status(good.stdout)
-    finally:
-        processes.stop_all()

@@ -8,6 +8,7 @@ and stopped here, by session, and every namespace removed, even on failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,32 @@ class Processes:
                 errors.append(err)
         if errors:
             raise errors[0]
+
+
+@contextlib.contextmanager
+def simulation_superlink(tmp_path: Path) -> Iterator[tuple[Callable[..., subprocess.CompletedProcess], Path]]:
+    """A SuperLink of the test's own with the simulation runtime (its own FLWR_HOME and port, the
+    connection named ``e2e``): yields ``flwr(*args)``, which runs the flwr CLI against it, and the
+    folder of the processes' logs; stops the SuperLink and what it started on exit."""
+    home, logs = tmp_path / "flwr_home", tmp_path / "logs"
+    home.mkdir(), logs.mkdir()
+    env = dict(os.environ) | {"FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                              "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "e2e"\n\n[superlink.e2e]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    processes = Processes(logs, env)
+
+    def flwr(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], env=env, cwd=logs, capture_output=True, text=True, timeout=540)
+
+    try:
+        processes.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
+                                      "--port", str(port)])
+        wait_for(lambda: flwr("ls", "e2e").returncode == 0, 60, "the SuperLink's port")
+        yield flwr, logs
+    finally:
+        processes.stop_all()
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.5):

@@ -92,24 +92,10 @@ def test_on_the_simulations_grid_the_serverapp_gives_fedcluster_runs_rounds(tmp_
 def test_flwr_run_with_the_batched_engine_gives_fedcluster_runs_rounds(tmp_path):
     """The real thing: a SuperLink of this test's own (simulation runtime, its FLWR_HOME), `flwr run
     --stream` of the default conf with simulation.engine=batched, against `fedcluster run` of it."""
-    from test_deployment import BIN, Processes, free_port, wait_for
+    from test_deployment import simulation_superlink
 
-    home, logs, out = tmp_path / "flwr_home", tmp_path / "logs", tmp_path / "out"
-    home.mkdir(), logs.mkdir()
-    env = dict(os.environ) | {"FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                              "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
-    port = free_port()
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "e2e"\n\n[superlink.e2e]\n'
-                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
-    processes = Processes(logs, env)
-
-    def flwr(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["flwr", *args], env=env, cwd=logs, capture_output=True, text=True, timeout=540)
-
-    try:
-        processes.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
-                                      "--port", str(port)])
-        wait_for(lambda: flwr("ls", "e2e").returncode == 0, 60, "the SuperLink's port")
+    out = tmp_path / "out"
+    with simulation_superlink(tmp_path) as (flwr, logs):
         # one idle Ray actor: client-resources-num-cpus as large as the machine
         run = flwr("run", str(ROOT), "e2e", "--stream", "--federation-config",
                    f"num-supernodes=20 client-resources-num-cpus={os.cpu_count()}", "--run-config",
@@ -119,8 +105,6 @@ def test_flwr_run_with_the_batched_engine_gives_fedcluster_runs_rounds(tmp_path)
         status = json.dumps(json.loads(flwr("ls", "e2e", "--run-id", run_id, "--format", "json").stdout))
         assert "finished:completed" in status, run.stdout + run.stderr
         assert "[ROUND 30] fedcluster: mean client accuracy" in run.stdout and "Traceback" not in run.stdout
-    finally:
-        processes.stop_all()
     direct = subprocess.run([sys.executable, "-m", "fedcluster_flwr.cli", "run", str(DEFAULT_CONFIG), "--out",
                              str(out / "direct"), "--set", "simulation.engine=batched", "--no-progress"],
                             capture_output=True, text=True, timeout=540)
