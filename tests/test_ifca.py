@@ -188,38 +188,41 @@ def test_without_selection_settings_the_loss_is_the_mean_over_all_samples_and_la
     """The defaults: ``selection_batch`` 0 (all training samples), ``loss_reduction`` mean and
     ``lambda`` 0 (IFCA's rule even when directions come along)."""
     config, client = digits_client
+    _, blocks = better_model_and_opposite_directions(config, client)
+    metrics = scores(client, blocks[MODELS], blocks[DIRECTIONS])
+    assert metrics[SELECTED] == 1  # lambda 1 would take model 0, whose direction is this client's
+    assert metrics["loss_0"] == pytest.approx(mean_training_loss(client, blocks[MODELS][0]), rel=1e-5)
+
+
+def better_model_and_opposite_directions(config, client):
+    """Model 1 trained two rounds from the initial model 0; direction 0 is this client's own first
+    step, direction 1 its opposite: ``(model 1, the blocks of a one-step selection)``."""
     start = initial_weights(config)
     better = trained(client, start, rounds=2)
     step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
-    metrics = scores(client, [start, better], [step_here, [-a for a in step_here]])
-    assert metrics[SELECTED] == 1  # lambda 1 would take model 0, whose direction is this client's
-    model = client.load_model(start)
+    return better, {MODELS: [start, better], DIRECTIONS: [step_here, [-a for a in step_here]]}
+
+
+def mean_training_loss(client, weights) -> float:
+    """The mean cross-entropy of ``weights`` over all of the client's training samples."""
+    model = client.load_model(weights)
     with torch.no_grad():
-        mean_loss = float(torch.nn.functional.cross_entropy(model(client.data.x_train), client.data.y_train))
-    assert metrics["loss_0"] == pytest.approx(mean_loss, rel=1e-5)
+        return float(torch.nn.functional.cross_entropy(model(client.data.x_train), client.data.y_train))
 
 
 def test_one_step_without_selection_settings_uses_all_samples_the_mean_loss_and_lambda_0(digits_client):
     config, client = digits_client
-    start = initial_weights(config)
-    better = trained(client, start, rounds=2)
-    step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
-    blocks = {MODELS: [start, better], DIRECTIONS: [step_here, [-a for a in step_here]]}
+    better, blocks = better_model_and_opposite_directions(config, client)
     output = train_best_model(client, TaskInput(7, blocks, {LOCAL_UPDATE_KEY: ONE_STEP}))
     assert output.metrics[SELECTED] == 1 and output.num_examples == client.num_train
-    model = client.load_model(better)
-    with torch.no_grad():
-        mean_loss = float(torch.nn.functional.cross_entropy(model(client.data.x_train), client.data.y_train))
+    mean_loss = mean_training_loss(client, better)
     assert output.metrics["loss_1"] == pytest.approx(mean_loss, rel=1e-5)
     assert output.metrics[protocol.TRAIN_LOSS] == pytest.approx(mean_loss, rel=1e-5)  # a mean: not divided again
 
 
 def test_one_step_takes_lambda_from_the_instruction(digits_client):
     config, client = digits_client
-    start = initial_weights(config)
-    better = trained(client, start, rounds=2)
-    step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
-    blocks = {MODELS: [start, better], DIRECTIONS: [step_here, [-a for a in step_here]]}
+    _, blocks = better_model_and_opposite_directions(config, client)
     settings = {LOCAL_UPDATE_KEY: ONE_STEP, SELECTION_BATCH_KEY: 32, LAMBDA_KEY: 1.0}
     assert train_best_model(client, TaskInput(7, blocks, settings)).metrics[SELECTED] == 0  # only the direction counts
 
