@@ -199,14 +199,14 @@ class StackedOptimizer:
                           maximize=False)
             else:
                 buffers = [state[n][0] for n in self.names] if s.momentum != 0 else [None] * len(self.names)
-                self._sgd(current, grads, buffers, steps_before)
+                self._sgd(current, grads, buffers)
             if rows is not None:  # the rows were gathered copies: put them back
                 for n, part in zip(self.names, current):
                     params[n].index_copy_(0, rows, part)
                     for full, part_state in zip(self.state.get(n, []), state[n]):
                         full.index_copy_(0, rows, part_state)
 
-    def _sgd(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list, steps_before: torch.Tensor) -> None:
+    def _sgd(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list) -> None:
         """torch.optim.SGD's step (dampening 0, no Nesterov); its first momentum buffer is a copy of
         the gradient, which a buffer of zeros times ``momentum`` plus the gradient is in every bit."""
         s = self.settings
