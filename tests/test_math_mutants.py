@@ -10,11 +10,12 @@ import warnings
 import numpy as np
 import pytest
 
-from fedcluster_flwr.aggregation import average_layers, lowest
+from fedcluster_flwr.aggregation import average_layers, lowest, weighted_mean
 from fedcluster_flwr.algorithms.cfl.math import bipartition, cosine_similarity
 from fedcluster_flwr.algorithms.dac.math import centred_tau, two_hop_similarities
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_row, within_and_across
 from fedcluster_flwr.algorithms.pacfl.math import closest_cluster, principal_angles, subspace_proximity
+from fedcluster_flwr.clustering import cluster_condensed, cluster_scores, cluster_square, flatten, mean_by, purity, renumber
 
 # ---- aggregation -------------------------------------------------------------------------------
 
@@ -32,6 +33,98 @@ def test_one_model_averaged_with_itself_keeps_its_values_and_dtype():
     assert averaged[7][0].dtype == np.float32 and averaged[7][1].dtype == np.int64
     np.testing.assert_allclose(averaged[7][0], [1.5, -2.0])
     assert averaged[7][1].tolist() == [4]
+
+
+
+def test_the_weighted_mean_normalises_the_weights_and_sums_in_float64():
+    # 1e8 + 1 is not a float32, so a float32 sum would lose the 1; the weights sum to 4, not to 1
+    big = [np.array([1e8], dtype=np.float32), np.array([2, 4], dtype=np.int64)]
+    small = [np.array([1e8 + 4], dtype=np.float64), np.array([6, 8], dtype=np.int64)]
+    mean = weighted_mean(iter([big, small]), [3.0, 1.0], [np.float64, np.int64])
+    assert mean[0].dtype == np.float64 and mean[1].dtype == np.int64
+    assert mean[0].tolist() == [1e8 + 1.0]
+    assert mean[1].tolist() == [3, 5]
+
+
+def test_the_weighted_mean_of_one_model_is_that_model_whatever_its_weight():
+    model = [np.array([[1.5, -2.0]], dtype=np.float32)]
+    mean = weighted_mean([model], [7.0], [np.float32])
+    assert mean[0].shape == (1, 2) and mean[0].tolist() == [[1.5, -2.0]]
+
+
+# ---- clustering's helpers ----------------------------------------------------------------------
+
+
+def test_flatten_concatenates_in_order_as_float32():
+    flat = flatten([np.array([[1, 2], [3, 4]], dtype=np.int64), np.array([5.5], dtype=np.float64)])
+    assert flat.dtype == np.float32 and flat.tolist() == [1, 2, 3, 4, 5.5]
+
+
+def test_renumber_gives_int64_labels_from_0_by_first_member():
+    labels = renumber(np.array([7, -1, 7, 3, -1]))
+    assert labels.dtype == np.int64 and labels.tolist() == [0, 1, 0, 2, 1]
+
+
+def test_mean_by_averages_per_group_numbers_first_in_numeric_order_then_names():
+    values = {0: 1.0, 1: 3.0, 2: 10.0, 3: 4.0, 4: 6.0, 5: 8.0}
+    groups = {0: "10", 1: "10", 2: "b", 3: "-5", 4: "2", 5: "a"}
+    means = mean_by(values, groups)
+    assert list(means) == ["-5", "2", "10", "a", "b"]
+    assert means == {"-5": 4.0, "2": 6.0, "10": 2.0, "a": 8.0, "b": 10.0}
+    assert all(type(v) is float for v in means.values())
+
+
+def test_purity_and_scores_of_no_clients_are_nan():
+    empty = np.array([], dtype=np.int64)
+    assert math.isnan(purity(empty, empty))
+    scores = cluster_scores(empty, empty)
+    assert list(scores) == ["purity", "ari", "nmi"] and all(math.isnan(v) for v in scores.values())
+
+
+def test_scores_of_a_half_right_clustering_are_the_hand_computed_ones():
+    true, predicted = np.array([0, 0, 1, 1]), np.array([0, 0, 0, 1])
+    scores = cluster_scores(true, predicted)
+    assert scores["purity"] == 0.75  # cluster 0 holds true 0,0,1 (majority 2), cluster 1 holds 1
+    assert scores["ari"] == pytest.approx(0.0)  # sklearn's ARI of this split is exactly 0
+    assert 0.0 < scores["nmi"] < 1.0 and all(type(v) is float for v in scores.values())
+
+
+def test_cluster_condensed_of_fewer_than_two_items_is_one_cluster_without_a_tree():
+    for count in (0, 1):
+        distances = np.zeros(0)
+        result = cluster_condensed(distances, count, "single")
+        assert result.labels.tolist() == [0] * count and result.labels.dtype == np.int64
+        assert result.linkage.shape == (0, 4) and result.distances is distances
+        assert result.num_clusters == count
+
+
+def test_cluster_condensed_cuts_by_threshold_by_count_or_by_silhouette():
+    # five points on a line, 0, 1 | 10, 12 | 30 (gaps all different: no tied merges)
+    points = np.array([0.0, 1.0, 10.0, 12.0, 30.0])
+    square = np.abs(points[:, None] - points[None, :])
+    condensed = square[np.triu_indices(5, 1)]
+    by_threshold = cluster_condensed(condensed, 5, "single", threshold=2.5)
+    assert by_threshold.labels.tolist() == [0, 0, 1, 1, 2]
+    assert cluster_condensed(condensed, 5, "single", threshold=9.5).labels.tolist() == [0, 0, 0, 0, 1]
+    by_count = cluster_condensed(condensed, 5, "single", num_clusters=2)
+    assert by_count.labels.tolist() == [0, 0, 0, 0, 1] and by_count.linkage.shape == (4, 4)
+    assert cluster_condensed(condensed, 5, "complete", num_clusters=4).labels.tolist() == [0, 0, 1, 2, 3]
+    by_silhouette = cluster_condensed(condensed, 5, "single")
+    assert by_silhouette.labels.tolist() == [0, 0, 1, 1, 2] and by_silhouette.distances is condensed
+    with pytest.raises(ValueError, match="give at most one of threshold and num_clusters"):
+        cluster_condensed(condensed, 5, "single", threshold=1.0, num_clusters=2)
+
+
+def test_cluster_square_ignores_the_diagonal_and_leaves_its_input_alone():
+    points = np.array([0.0, 1.0, 10.0, 12.0])  # gaps all different: no tied merges
+    square = np.abs(points[:, None] - points[None, :])
+    np.fill_diagonal(square, 99.0)  # e.g. a similarity's own row: must not count as a distance
+    before = square.copy()
+    assert cluster_square(square, "average", threshold=3.0).labels.tolist() == [0, 0, 1, 1]
+    assert cluster_square(square, "average", num_clusters=3).labels.tolist() == [0, 0, 1, 2]
+    assert cluster_square(square, "average").labels.tolist() == [0, 0, 1, 1]
+    assert cluster_square(square, "single").distances.tolist() == [1, 10, 12, 9, 11, 2]
+    np.testing.assert_array_equal(square, before)
 
 
 # ---- DAC ---------------------------------------------------------------------------------------
