@@ -4,6 +4,7 @@ batched engine's CPU rule (benchmarks/engines/README.md).
     python benchmarks/engines/run.py models                  # stacked vs one client at a time, per model
     python benchmarks/engines/run.py rounds --confs default,dac_fmnist_rot4 --engines inprocess,batched \
         --rounds 2                                            # seconds per round from each run's rounds.jsonl
+    python benchmarks/engines/run.py table results/all_confs.jsonl   # those rows as a markdown table
 
 ``models``: for every registered model on 28x28 (or 8x8 for the digits models) random inputs, K
 clients x one epoch at the confs' batch sizes, timed alternately one client after another
@@ -126,6 +127,26 @@ def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[s
     return rows
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (conf, engine) as ``rounds`` wrote them, and per conf the batched engine's median
+    round over the in-process engine's (the claim "batched is never slower than inprocess")."""
+    lines = ["| conf | engine | first round s | median round s after the first | wall s | batched / inprocess | load before / after |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    median = {(row["conf"], row["engine"]): row.get("median_after_first") for row in rows}
+    for row in rows:
+        conf, engine = row["conf"], row["engine"]
+        load = f"{row['load_before']:.1f} / {row['load']:.1f}"
+        if "error" in row:
+            lines.append(f"| {conf} | {engine} | failed: {row['error'][:70]} | | {row['wall_seconds']:.0f} | | {load} |")
+            continue
+        ratio = ""
+        if engine == "batched" and median.get((conf, "inprocess")) and row["median_after_first"]:
+            ratio = f"{row['median_after_first'] / median[(conf, 'inprocess')]:.2f}"
+        lines.append(f"| {conf} | {engine} | {row['round_seconds'][0]:.2f} | {row['median_after_first']:.2f} | "
+                     f"{row['wall_seconds']:.0f} | {ratio} | {load} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -140,7 +161,12 @@ def main() -> None:
     rounds.add_argument("--rounds", type=int, default=3)
     rounds.add_argument("--set", action="append", default=[], help="an override for every run")
     rounds.add_argument("--tag", default="rounds")
+    table = sub.add_parser("table", help="print the rows of a rounds run (a results/<tag>.jsonl) as markdown")
+    table.add_argument("jsonl", type=Path)
     args = parser.parse_args()
+    if args.what == "table":
+        print(markdown_table([json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]))
+        return
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.what == "models":
         rows, name = time_models(args.clients, args.samples, args.repeat), "models"
