@@ -357,8 +357,7 @@ def cluster_scores(true: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
 def cluster_square(
     distance: np.ndarray, linkage: str, *, threshold: float | None = None, num_clusters: int | None = None
 ) -> HacResult:
-    """Agglomerative clustering of items given their symmetric distance matrix (diagonal ignored)."""
-    distance = distance.copy()
-    np.fill_diagonal(distance, 0.0)
+    """Agglomerative clustering of items given their symmetric distance matrix: only the entries above
+    the diagonal are read (scipy's condensed form), so the diagonal may hold anything."""
     return cluster_condensed(squareform(distance, checks=False), len(distance), linkage,
                              threshold=threshold, num_clusters=num_clusters)

@@ -46,6 +46,13 @@ def test_the_weighted_mean_normalises_the_weights_and_sums_in_float64():
     assert mean[1].tolist() == [3, 5]
 
 
+def test_the_weighted_mean_multiplies_in_float64_not_in_the_models_dtype():
+    # 1 x 1/3 is 0.3333333433 in float32; float64 keeps the mean (1 + 3 x 2) / 3 to 1e-15
+    one, three = [np.array([1.0], dtype=np.float32)], [np.array([3.0], dtype=np.float32)]
+    mean = weighted_mean([one, three], [1.0, 2.0], [np.float64])
+    assert abs(mean[0][0] - 7 / 3) < 1e-15
+
+
 def test_the_weighted_mean_of_one_model_is_that_model_whatever_its_weight():
     model = [np.array([[1.5, -2.0]], dtype=np.float32)]
     mean = weighted_mean([model], [7.0], [np.float32])
@@ -71,6 +78,7 @@ def test_mean_by_averages_per_group_numbers_first_in_numeric_order_then_names():
     means = mean_by(values, groups)
     assert list(means) == ["-5", "2", "10", "a", "b"]
     assert means == {"-5": 4.0, "2": 6.0, "10": 2.0, "a": 8.0, "b": 10.0}
+    assert list(mean_by({0: 1.0, 1: 2.0}, {0: "X1", 1: "7"})) == ["7", "X1"]  # "X1" is a name, not a number
     assert all(type(v) is float for v in means.values())
 
 
@@ -111,8 +119,14 @@ def test_cluster_condensed_cuts_by_threshold_by_count_or_by_silhouette():
     assert cluster_condensed(condensed, 5, "complete", num_clusters=4).labels.tolist() == [0, 0, 1, 2, 3]
     by_silhouette = cluster_condensed(condensed, 5, "single")
     assert by_silhouette.labels.tolist() == [0, 0, 1, 1, 2] and by_silhouette.distances is condensed
-    with pytest.raises(ValueError, match="give at most one of threshold and num_clusters"):
+    assert cluster_condensed(condensed, 5, "complete", num_clusters=2).linkage[-1, 2] == 30.0  # single: 18
+    with pytest.raises(ValueError, match="^give at most one of threshold and num_clusters$"):
         cluster_condensed(condensed, 5, "single", threshold=1.0, num_clusters=2)
+
+
+def test_two_items_are_clustered_not_taken_as_one():
+    assert cluster_condensed(np.array([5.0]), 2, "single", threshold=1.0).labels.tolist() == [0, 1]
+    assert cluster_condensed(np.array([5.0]), 2, "single", threshold=6.0).labels.tolist() == [0, 0]
 
 
 def test_cluster_square_ignores_the_diagonal_and_leaves_its_input_alone():
@@ -125,6 +139,13 @@ def test_cluster_square_ignores_the_diagonal_and_leaves_its_input_alone():
     assert cluster_square(square, "average").labels.tolist() == [0, 0, 1, 1]
     assert cluster_square(square, "single").distances.tolist() == [1, 10, 12, 9, 11, 2]
     np.testing.assert_array_equal(square, before)
+
+
+def test_cluster_square_reads_the_entries_above_the_diagonal_only():
+    # below the diagonal: garbage that would join 0 and 3 (round-off makes real matrices unequal too)
+    square = np.array([[0.0, 1.0, 10.0, 12.0], [0.0, 0.0, 9.0, 11.0], [0.0, 0.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    square[3, 0] = 1e-9
+    assert cluster_square(square, "single", threshold=3.0).labels.tolist() == [0, 0, 1, 1]
 
 
 # ---- DAC ---------------------------------------------------------------------------------------
