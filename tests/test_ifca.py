@@ -431,6 +431,22 @@ def test_warmup_trains_one_model_then_spawns_k_distinct_ones(tmp_path):
     assert all(0 < np.abs(v - warm).max() < 0.1 for v in sent)  # the warm model plus small noise
 
 
+
+def test_the_spawned_models_are_the_warm_model_plus_seeded_gaussian_noise_on_every_entry(tmp_path):
+    strategy = strategy_of(IFCA, tmp_path, warmup_rounds=2, warmup_noise=0.01)
+    manager = client_manager(len(GROUPS))
+    for rnd in (1, 2):
+        synthetic_round(strategy, manager, rnd, selecting_client())
+    warm = [a.copy() for a in strategy.models[0]]
+    received = synthetic_round(strategy, manager, 3, selecting_client())
+    sent = next(iter(received.values())).models
+    noise = np.random.default_rng([strategy.setup.seed, 2])  # the run's seed and the warm-up's length
+    for model in sent:
+        expected = [a + noise.normal(scale=0.01, size=a.shape) for a in warm]
+        assert [a.dtype for a in model] == [a.dtype for a in warm]
+        for got, want in zip(model, expected):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
 def test_purity_is_the_share_of_clients_in_their_clusters_majority():
     true = np.array([0, 0, 0, 1, 1, 1, 2, 2])
     identities = np.array([5, 5, 7, 7, 7, 7, 9, 9])  # cluster 7 holds one of true 0 and three of true 1
