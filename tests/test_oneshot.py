@@ -286,6 +286,23 @@ def test_gps_weights_differ_from_member_counts(tmp_path):
     np.testing.assert_allclose(strategy.models[0][1], 0.0)
 
 
+
+def test_the_gps_leaves_out_an_lps_without_members_and_weighs_by_members_without_sizes(tmp_path):
+    setup = make_setup(tmp_path, 3, true=np.array([0, 0, 1]), parameter_names=["shared.w", "own.b"])
+    assert setup.train_sizes is None  # sizes unknown: each member counts 1
+    strategy = OracleHFL(HFLOptions(shared_layers=("shared",)), setup)
+    strategy.models = {0: [np.zeros((4, 3), np.float32), np.zeros(3, np.float32)],
+                       1: [np.ones((4, 3), np.float32), np.ones(3, np.float32)],
+                       2: [np.full((4, 3), 5.0, np.float32), np.full(3, 5.0, np.float32)]}  # nobody's LPS
+    assert strategy.cluster_data_sizes() == {0: 2.0, 1: 1.0}
+    strategy.gps_step()
+    np.testing.assert_allclose(strategy.models[0][0], 1 / 3)  # (2 x 0 + 1 x 1) / 3
+    np.testing.assert_allclose(strategy.models[1][0], 1 / 3)
+    np.testing.assert_allclose(strategy.models[2][0], 5.0)  # left out, not averaged in
+    assert strategy.gps_bytes == 2 * 2 * 12 * 4  # two LPS, up and down, one 4x3 float32 array
+    strategy.gps_step()
+    assert strategy.gps_total == 2 * strategy.gps_bytes
+
 def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     """conf/oneshot_cifar10_2tasks.yaml end to end (in process) on CIFAR-10 batches written in the
     official python format: one-shot rounds, then LeNet LPS models sharing their conv layers."""
