@@ -197,6 +197,30 @@ def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_pat
     assert received[5].task == "train"
 
 
+
+@pytest.mark.parametrize("cut, clusters, rule", [({"threshold": 45.0}, 2, "threshold 45"),
+                                                 ({"threshold": 1.0}, None, "threshold 1"),
+                                                 ({"num_clusters": 3}, 3, "3 clusters")])
+def test_the_one_shot_round_cuts_at_the_threshold_or_into_num_clusters(tmp_path, cut, clusters, rule):
+    strategy = pacfl_strategy(tmp_path, **({"num_clusters": None} | cut))
+    synthetic_round(strategy, client_manager(6), 1, synthetic_client)
+    labels = strategy.assignment.tolist()
+    if clusters is None:  # 1° is below the angles within a subspace's noisy copies: they split too
+        assert strategy.clustering.num_clusters > 2
+    else:
+        assert strategy.clustering.num_clusters == clusters == len(strategy.models)
+    if cut == {"threshold": 45.0}:
+        assert labels in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
+    assert strategy.clustering.summary()["cut"] == rule
+
+
+@pytest.mark.parametrize("num_clusters, replies, clustered", [(None, 1, False), (None, 2, True), (3, 2, False), (3, 3, True)])
+def test_the_one_shot_round_needs_two_subspaces_or_num_clusters_of_them(tmp_path, num_clusters, replies, clustered):
+    options = {"num_clusters": num_clusters} if num_clusters else {"num_clusters": None, "threshold": 45.0}
+    strategy = pacfl_strategy(tmp_path, **options)
+    synthetic_round(strategy, client_manager(6), 1, synthetic_client, fail=set(range(replies, 6)))
+    assert strategy.clustered is clustered
+
 def test_an_interrupted_run_resumes_with_its_bases_and_places_newcomers_alike(tmp_path):
     from fedcluster_flwr.checkpoints import load_checkpoint
     from fedcluster_flwr.round_log import resume
