@@ -495,6 +495,14 @@ def test_clustering_waits_for_a_quorum_of_updates(tmp_path):
     assert strategy.clustering.round == 4 and strategy.clustering.num_clusters == 3
 
 
+
+def test_exactly_a_quorum_of_updates_is_enough_to_cluster(tmp_path):
+    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    for rnd in (1, 2):
+        synthetic_round(strategy, manager, rnd, train)
+    synthetic_round(strategy, manager, 3, train, fail=set(range(6)))  # 6 of 12 = the 0.5 quorum
+    assert strategy.clustered and strategy.clustering.round == 3
+
 def test_sampling_rounds_down_without_float_error(tmp_path):
     strategy = FedAvg(FractionOptions(0.29), make_setup(tmp_path, 100))
     assert len(strategy.sample(list(range(100)), 0.29)) == 29
