@@ -391,6 +391,20 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
     assert [r["phase"] for r in rows] == ["gram_eigen", "gram_eigen", "relevance"]
 
 
+
+@pytest.mark.parametrize("cut, clusters, rule", [({"threshold": 1e-3}, 2, "threshold 0.001"),
+                                                 ({"threshold": 1.5}, 1, "threshold 1.5"),  # above every distance
+                                                 ({"num_clusters": 1}, 1, "1 clusters")])  # not the 2 the data has
+def test_the_one_shot_clustering_cuts_as_configured_and_leaves_non_responders_unassigned(tmp_path, cut, clusters, rule):
+    strategy, manager = oneshot_strategy(tmp_path, **({"num_clusters": None} | cut)), client_manager(6)
+    synthetic_round(strategy, manager, 1, one_shot_client())
+    synthetic_round(strategy, manager, 2, one_shot_client(), fail={5})  # client 5 sends no relevance row
+    assert strategy.clustered and strategy.clustering.num_clusters == clusters == len(strategy.models)
+    assert strategy.clustering.summary()["cut"] == rule
+    assert strategy.assignment[5] == -1 and (strategy.assignment[:5] >= 0).all()
+    if clusters == 2:  # the same distribution's clients have the same data: distance 0 within
+        assert strategy.assignment[:5].tolist() in ([0, 1, 0, 1, 0], [1, 0, 1, 0, 1])
+
 def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     from fedcluster_flwr.checkpoints import load_checkpoint
     from fedcluster_flwr.round_log import resume
