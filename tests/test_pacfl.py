@@ -193,6 +193,7 @@ def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_pat
     assert received[5].task == "gram_eigen" and {received[p].task for p in range(5)} == {"train"}
     assert strategy.assignment[5] == strategy.assignment[1]  # odd: the subspace of clients 1 and 3
     assert strategy.placements == [{"round": 3, "client": 5, "cluster": int(strategy.assignment[1])}]
+    assert sorted(strategy.bases) == list(range(6)) and strategy.bases[5].shape == strategy.bases[1].shape  # kept for later newcomers
     received = synthetic_round(strategy, manager, 4, synthetic_client)
     assert received[5].task == "train"
 
