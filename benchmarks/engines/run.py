@@ -137,13 +137,13 @@ def markdown_table(rows: list[dict]) -> str:
     for row in rows:
         conf, engine = row["conf"], row["engine"]
         load = f"{row['load_before']:.1f} / {row['load']:.1f}"
+        if engine == "inprocess":  # a failed one ends the pair too: no ratio against an older run
+            last_inprocess[conf] = row.get("median_after_first")
         if "error" in row:
             lines.append(f"| {conf} | {engine} | failed: {row['error'][:70]} | | {row['wall_seconds']:.0f} | | {load} |")
             continue
         ratio = ""
-        if engine == "inprocess":
-            last_inprocess[conf] = row["median_after_first"]
-        elif engine == "batched" and last_inprocess.get(conf) and row["median_after_first"]:
+        if engine == "batched" and last_inprocess.get(conf) and row["median_after_first"]:
             ratio = f"{row['median_after_first'] / last_inprocess[conf]:.2f}"
         lines.append(f"| {conf} | {engine} | {row['round_seconds'][0]:.2f} | {row['median_after_first']:.2f} | "
                      f"{row['wall_seconds']:.0f} | {ratio} | {load} |")
