@@ -320,8 +320,10 @@ def test_update_matrix_without_projection_stores_rows_in_float32():
     assert matrix.rows.tolist() == [[0, 0, 0], [1, 2, 3]]
 
 
-def test_renumber_orders_clusters_by_first_member():
+def test_renumber_orders_clusters_by_first_member_as_int64():
     assert renumber(np.array([3, 3, 1, 2, 1])).tolist() == [0, 0, 1, 2, 1]
+    labels = renumber(np.array([7, -1, 7, 3, -1]))  # any label values, negative ones included
+    assert labels.dtype == np.int64 and labels.tolist() == [0, 1, 0, 2, 1]
 
 
 def test_scores_are_label_permutation_invariant():

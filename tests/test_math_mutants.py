@@ -15,7 +15,7 @@ from fedcluster_flwr.algorithms.cfl.math import bipartition, cosine_similarity
 from fedcluster_flwr.algorithms.dac.math import centred_tau, two_hop_similarities
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_row, within_and_across
 from fedcluster_flwr.algorithms.pacfl.math import closest_cluster, principal_angles, subspace_proximity
-from fedcluster_flwr.clustering import cluster_condensed, cluster_scores, cluster_square, flatten, mean_by, purity, renumber
+from fedcluster_flwr.clustering import cluster_condensed, cluster_scores, cluster_square, flatten, mean_by, purity
 
 # ---- aggregation -------------------------------------------------------------------------------
 
@@ -65,11 +65,6 @@ def test_the_weighted_mean_of_one_model_is_that_model_whatever_its_weight():
 def test_flatten_concatenates_in_order_as_float32():
     flat = flatten([np.array([[1, 2], [3, 4]], dtype=np.int64), np.array([5.5], dtype=np.float64)])
     assert flat.dtype == np.float32 and flat.tolist() == [1, 2, 3, 4, 5.5]
-
-
-def test_renumber_gives_int64_labels_from_0_by_first_member():
-    labels = renumber(np.array([7, -1, 7, 3, -1]))
-    assert labels.dtype == np.int64 and labels.tolist() == [0, 1, 0, 2, 1]
 
 
 def test_mean_by_averages_per_group_numbers_first_in_numeric_order_then_names():
