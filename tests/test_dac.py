@@ -132,6 +132,60 @@ def test_a_client_that_has_not_joined_is_never_a_neighbour(tmp_path):
     assert any(5 in client.peers for rnd in range(4, 9) for client in synthetic_round(strategy, manager, rnd, gossip_client()).values())
 
 
+def test_a_client_with_no_ready_peer_draws_no_neighbour(tmp_path):
+    strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=3))
+    strategy.directory.online = list(range(N))
+    strategy.pretrained[1:] = False  # only client 0 is past its pretraining: nobody to draw
+    assert strategy.neighbours(2, 0) == []
+    strategy.pretrained[5] = True
+    assert strategy.neighbours(2, 0) == [5]
+
+
+def test_dac_scores_a_peer_by_tau_times_its_estimate_and_an_unknown_one_as_zero(tmp_path):
+    strategy = gossip(DAC, tmp_path, DACOptions(tau=30.0))
+    strategy.estimate = np.full((N, N), np.nan)
+    strategy.estimate[0, 1] = 0.5
+    np.testing.assert_array_equal(strategy.neighbour_scores(2, 0, np.array([1, 2])), [15.0, 0.0])
+
+
+def test_dac_var_centred_scores_and_records_the_tau_of_the_server_round(tmp_path):
+    """The centred schedule is a function of the server round, in either round order."""
+    for order in ("synchronous", "sequential"):
+        options = DACVarOptions(num_neighbours=2, tau_max=30.0, tau_schedule="centred", round_order=order)
+        strategy = gossip(DACVar, tmp_path / order, options, rounds=20)
+        manager = client_manager(N)
+        for rnd in (1, 2, 3):
+            synthetic_round(strategy, manager, rnd, gossip_client())
+        rows = [json.loads(line) for line in (tmp_path / order / "rounds.jsonl").read_text().splitlines()]
+        assert [r["tau"] for r in rows] == pytest.approx([centred_tau(rnd, 30.0, 20) for rnd in (1, 2, 3)])
+        estimate = np.nan_to_num(strategy.estimate[0, [1, 2]], nan=0.0)
+        np.testing.assert_array_equal(strategy.neighbour_scores(7, 0, np.array([1, 2])), centred_tau(7, 30.0, 20) * estimate)
+
+
+def test_the_implied_clusters_read_a_pair_known_one_way_and_put_unknown_pairs_farthest(tmp_path):
+    """Average linkage of the losses 1 / s into the number of true clusters: a pair measured both ways at
+    their mean, one way at that loss, never at the largest known loss."""
+    nan = np.nan
+    loss = np.array([
+        [nan, 0.5, 3.0, 4.0],
+        [1.5, nan, nan, nan],  # 0 and 1 measured each other (mean 1.0); 1 never met 2 or 3
+        [nan, nan, nan, nan],  # 2 measured nobody
+        [nan, nan, 0.4, nan],  # 3 measured 2 only: the pair (2, 3) is known one way
+    ])
+    strategy = gossip(DAC, tmp_path, DACOptions())
+    strategy.num_true_clusters = 2
+    strategy.estimate = 1.0 / loss
+    assert strategy.implied_clusters().tolist() == [0, 0, 1, 1]
+    loss[0, 1] = nan  # now (0, 1) is known one way, through 1's row: 1.5
+    strategy.estimate = 1.0 / loss
+    assert strategy.implied_clusters().tolist() == [0, 0, 1, 1]
+    loss[1, 0], loss[0, 3] = 3.5, 1.0  # 0 is closer to 3 (1.0) than to 1 (3.5); 1 is unknown to all but 0
+    strategy.estimate = 1.0 / loss
+    assert strategy.implied_clusters().tolist() == [0, 1, 0, 0]
+    strategy.num_true_clusters = 3
+    assert strategy.implied_clusters().tolist() == [0, 1, 2, 2]
+
+
 def test_oracle_gossip_stays_inside_the_true_cluster(tmp_path):
     strategy = gossip(OracleGossip, tmp_path, GossipOptions(num_neighbours=3))
     strategy.directory.online = list(range(N))

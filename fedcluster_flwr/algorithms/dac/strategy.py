@@ -194,7 +194,7 @@ class Gossip(TakesTurns, ClusteredStrategy):
         allowed = np.isfinite(scores)
         count = min(self.neighbour_count(), int(allowed.sum()))
         keys = scores[allowed] + self.rng.gumbel(size=int(allowed.sum()))
-        return [int(q) for q in candidates[allowed][np.argsort(-keys, kind="stable")[:count]]]
+        return [int(q) for q in candidates[allowed][np.argsort(-keys)[:count]]]  # continuous keys: no ties
 
     # ---- the round ---------------------------------------------------------------------------------
 
@@ -303,12 +303,14 @@ class Gossip(TakesTurns, ClusteredStrategy):
         return self.similarity
 
     def implied_clusters(self) -> np.ndarray:
-        """Soft clusters made hard for the metrics (``assignment``, hence purity/ARI): average-linkage clustering of the symmetrised similarity (as a distance: 1 / s, a loss),
-        unknown pairs at the largest known distance."""
+        """Soft clusters made hard for the metrics (``assignment``, hence purity/ARI): average-linkage
+        clustering of the symmetrised similarity as a distance (1 / s, a loss: the mean of both
+        directions, or the one known), unknown pairs at the largest known distance. Called once some
+        pair has met, so some distance is known; every s is a measured 1 / loss or a copy of one, so
+        finite and positive."""
         loss = 1.0 / self.estimate  # NaN where unknown
         distance = np.where(np.isnan(loss), loss.T, np.where(np.isnan(loss.T), loss, (loss + loss.T) / 2))
-        largest = float(np.nanmax(distance)) if np.isfinite(distance).any() else 1.0
-        distance = np.nan_to_num(distance, nan=largest, posinf=largest)
+        distance = np.nan_to_num(distance, nan=np.nanmax(distance))
         return cluster_square(distance, "average", num_clusters=self.num_true_clusters).labels
 
     # ---- records -----------------------------------------------------------------------------------
