@@ -195,12 +195,12 @@ class SyntheticSetup(StrategySetup):
 
 
 def make_setup(run_dir: Path, num_clients: int, true: Sequence[int] | None = None, rounds: int = 10,
-               **extra: Any) -> SyntheticSetup:
+               seed: int = 0, **extra: Any) -> SyntheticSetup:
     """A StrategySetup over the synthetic model, recording into ``run_dir``; ``true``: the true
     clusters (default: one)."""
     initial = constant_model(0.0)
     true = np.zeros(num_clients, np.int64) if true is None else np.asarray(true)
-    return SyntheticSetup(initial, num_clients, true, rounds, seed=0, run_dir=run_dir, **extra)
+    return SyntheticSetup(initial, num_clients, true, rounds, seed=seed, run_dir=run_dir, **extra)
 
 
 def connect_test_run(strategy: ClusteredStrategy, run_dir: Path | None = None, resuming: bool = False) -> RoundLog:

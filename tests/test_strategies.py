@@ -282,6 +282,22 @@ def test_flhc_threshold_cut_on_update_distances(tmp_path):
     assert strategy.clustering.num_clusters == 3
     merges = strategy.clustering.linkage[:, 2]
     assert merges[-3] < 4.0 < merges[-2]
+    assert json.loads((tmp_path / "summary.json").read_text())["cut"] == "threshold 4"
+
+    above_every_merge = flhc(tmp_path / "above", num_clusters=None, threshold=float(merges[-1]) + 1.0)
+    for rnd in (1, 2, 3):
+        synthetic_round(above_every_merge, client_manager(len(GROUPS)), rnd, train)
+    assert above_every_merge.clustering.num_clusters == 1  # what no silhouette cut gives
+
+
+def test_flhc_num_clusters_cuts_into_that_many_clusters(tmp_path):
+    strategy = flhc(tmp_path, num_clusters=2)  # the groups are 3, and the silhouette finds 3
+    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    for rnd in (1, 2, 3):
+        synthetic_round(strategy, manager, rnd, train)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["clusters_found"], summary["cut"]) == (2, "2 clusters")
+    assert not (tmp_path / "updates.npy").exists()  # only with save_updates
 
 
 def test_flhc_without_a_cut_cuts_at_the_largest_silhouette_and_says_so(tmp_path):
@@ -502,6 +518,61 @@ def test_exactly_a_quorum_of_updates_is_enough_to_cluster(tmp_path):
         synthetic_round(strategy, manager, rnd, train)
     synthetic_round(strategy, manager, 3, train, fail=set(range(6)))  # 6 of 12 = the 0.5 quorum
     assert strategy.clustered and strategy.clustering.round == 3
+
+
+def test_a_quorum_below_one_update_clusters_the_one_that_came(tmp_path):
+    strategy, manager, train = flhc(tmp_path, clustering_quorum=0.05), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    for rnd in (1, 2):
+        synthetic_round(strategy, manager, rnd, train)
+    synthetic_round(strategy, manager, 3, train, fail=set(range(1, len(GROUPS))))  # 1 of 12 >= 0.6, and >= 1
+    assert strategy.clustered and strategy.clustering.pids == (0,) and strategy.clustering.num_clusters == 1
+
+
+def test_the_clustering_its_postponement_and_its_failure_are_logged(tmp_path, caplog, monkeypatch):
+    import logging
+
+    from fedcluster_flwr.algorithms.flhc import strategy as flhc_module
+
+    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    for rnd in (1, 2):
+        synthetic_round(strategy, manager, rnd, train)
+
+    def messages(level):
+        return [r.getMessage() for r in caplog.records if r.levelno == level and r.getMessage().startswith("FL+HC")]
+
+    with caplog.at_level(logging.INFO):
+        synthetic_round(strategy, manager, 3, train, fail=set(range(9)))
+        assert messages(logging.WARNING) == [
+            "FL+HC round 3: 3 updates, below the clustering quorum of 6; clustering next round"]
+
+        def fails(*args, **kwargs):
+            raise ValueError("the distances are not finite")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(flhc_module, "hierarchical_clustering", fails)
+            synthetic_round(strategy, manager, 4, train)
+        assert not strategy.clustered
+        assert messages(logging.ERROR) == ["FL+HC round 4: clustering failed (the distances are not finite); retrying next round"]
+
+        synthetic_round(strategy, manager, 5, train)
+        (clustered,) = messages(logging.INFO)
+    assert clustered.startswith("FL+HC round 5: 12 clients -> 3 clusters of sizes [4, 4, 4] "
+                                "(l2 distance, average linkage, cut: 3 clusters); pairwise distances min ")
+
+
+def test_the_projection_of_the_updates_is_drawn_from_the_runs_seed(tmp_path):
+    """Every client trains in both rounds, so the seed changes nothing but the projection."""
+    saved = {}
+    for folder, seed in (("a", 3), ("b", 3), ("c", 4)):
+        strategy = FLHC(FLHCOptions(client_fraction=1.0, rounds_before_clustering=1, num_clusters=3, projection_dim=4,
+                                    save_updates=True),
+                        make_setup(tmp_path / folder, len(GROUPS), true=GROUPS, rounds=4, seed=seed))
+        manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+        for rnd in (1, 2):
+            synthetic_round(strategy, manager, rnd, train)
+        saved[folder] = np.load(tmp_path / folder / "updates.npy")
+    np.testing.assert_array_equal(saved["a"], saved["b"])
+    assert not np.allclose(saved["a"], saved["c"])
 
 def test_sampling_rounds_down_without_float_error(tmp_path):
     strategy = FedAvg(FractionOptions(0.29), make_setup(tmp_path, 100))
