@@ -151,6 +151,22 @@ def test_gamma_max_splits_only_a_bipartition_the_paper_s_criterion_certifies(tmp
         assert strategy.diagnoses[0].kept_whole_by == "gamma_max"
 
 
+def test_a_refused_split_is_logged_with_what_refused_it(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        synthetic_round(cfl(tmp_path, 4, CFLOptions(thresholds="absolute", eps1=2.0, eps2=1.0, gamma_max=0.6)),
+                        client_manager(4), 1, adding(leaning_camps(1.5)))
+        outlier = {p: direction(0) * (1.5 if p < 3 else -4.5) for p in range(4)}
+        synthetic_round(cfl(tmp_path / "small", 4, replace(OPTIONS, min_cluster_size=2)), client_manager(4), 1, adding(outlier))
+    refusals = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "not split" in r.getMessage()]
+    assert refusals == [
+        "CFL round 1: cluster 0 not split: its bi-partition 2 + 2 has α_max^cross 0.3846, not below 1 - 2·γ_max² = 0.28 "
+        "(gamma_max 0.6)",
+        "CFL round 1: cluster 0 not split: its bi-partition [3, 1] leaves a child below min_cluster_size 2",
+    ]
+
+
 def test_a_stationary_cluster_kept_whole_with_incongruent_updates_is_a_warning_at_the_end(tmp_path):
     """Camps of norm 0.5 < ε2 1 cancel (stationary, ‖mean‖ ≈ 0 < ε1): no split, yet the optimal
     bi-partition has α_max^cross ≈ −1. The row records it; at the last round the summary (and
@@ -211,7 +227,8 @@ def test_no_split_leaves_a_child_below_min_cluster_size(tmp_path):
     updates = {p: direction(0) * (1.5 if p < 3 else -4.5) for p in range(4)}
     strategy = cfl(tmp_path, 4, replace(OPTIONS, min_cluster_size=2))
     synthetic_round(strategy, client_manager(4), 1, adding(updates))
-    assert strategy.splits == []
+    assert strategy.splits == [] and strategy.diagnoses[0].kept_whole_by == "min_cluster_size"
+    assert not (tmp_path / "cluster_tree.png").exists()  # nothing split, nothing drawn
     strategy = cfl(tmp_path / "paper", 4)  # min_cluster_size 1 (the paper): the outlier is its own cluster
     synthetic_round(strategy, client_manager(4), 1, adding(updates))
     assert strategy.splits[0].members == ((0, 1, 2), (3,))

@@ -4,6 +4,7 @@ eigen-summary, the feature maps, and hierarchical training whose GPS touches onl
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -378,13 +379,17 @@ def one_shot_client(share_eigenvalues=None) -> SyntheticClient:
     return reply
 
 
-def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer(tmp_path):
+def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer(tmp_path, caplog):
     strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
-    synthetic_round(strategy, manager, 1, one_shot_client(), fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
-    assert strategy.summaries == {} and strategy.phase(1) == "gram_eigen"
-    synthetic_round(strategy, manager, 2, one_shot_client())
-    assert sorted(strategy.summaries) == list(range(6))
-    synthetic_round(strategy, manager, 3, one_shot_client())
+    with caplog.at_level(logging.INFO):
+        synthetic_round(strategy, manager, 1, one_shot_client(), fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
+        assert strategy.summaries == {} and strategy.phase(1) == "gram_eigen"
+        synthetic_round(strategy, manager, 2, one_shot_client())
+        assert sorted(strategy.summaries) == list(range(6))
+        synthetic_round(strategy, manager, 3, one_shot_client())
+    asked_again, clustered = [r.getMessage() for r in caplog.records if r.getMessage().startswith("oneshot_hfl round")]
+    assert asked_again == "oneshot_hfl round 1: 1 eigen-summaries, 2 needed; asking again next round"
+    assert clustered.startswith("oneshot_hfl round 3: 6 clients -> 2 clusters of sizes [3, 3]; mean R within true tasks ")
     assert strategy.clustered and strategy.clustering.round == 3
     assert strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]

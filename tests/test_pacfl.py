@@ -4,6 +4,7 @@ its clustering, newcomers placed by their subspace, and the strategy end to end 
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -183,13 +184,19 @@ def test_clusters_once_then_fedavg_per_cluster_without_a_gps_step(tmp_path):
     assert {"proximity.npy", "proximity.png", "dendrogram.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
-def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_path):
+def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_path, caplog):
     strategy, manager = pacfl_strategy(tmp_path), client_manager(6)
-    synthetic_round(strategy, manager, 1, synthetic_client, fail={0, 1, 2, 3, 4})  # one subspace: fewer than 2
-    assert not strategy.clustered and strategy.phase(1) == "gram_eigen"
-    synthetic_round(strategy, manager, 2, synthetic_client, fail={5})
-    assert strategy.clustered and strategy.clustering.pids == (0, 1, 2, 3, 4) and strategy.assignment[5] == -1
-    received = synthetic_round(strategy, manager, 3, synthetic_client)
+    with caplog.at_level(logging.INFO):
+        synthetic_round(strategy, manager, 1, synthetic_client, fail={0, 1, 2, 3, 4})  # one subspace: fewer than 2
+        assert not strategy.clustered and strategy.phase(1) == "gram_eigen"
+        synthetic_round(strategy, manager, 2, synthetic_client, fail={5})
+        assert strategy.clustered and strategy.clustering.pids == (0, 1, 2, 3, 4) and strategy.assignment[5] == -1
+        received = synthetic_round(strategy, manager, 3, synthetic_client)
+    asked_again, clustered, placed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pacfl round")]
+    assert asked_again == "pacfl round 1: 1 subspaces, 2 needed; asking again next round"
+    assert clustered.startswith(f"pacfl round 2: 5 clients -> 2 clusters of sizes [3, 2]; mean {strategy.options.proximity} "
+                                "within true clusters ")
+    assert placed == f"pacfl round 3: newcomer 5 placed in cluster {strategy.assignment[1]} by its subspace"
     assert received[5].task == "gram_eigen" and {received[p].task for p in range(5)} == {"train"}
     assert strategy.assignment[5] == strategy.assignment[1]  # odd: the subspace of clients 1 and 3
     assert strategy.placements == [{"round": 3, "client": 5, "cluster": int(strategy.assignment[1])}]
