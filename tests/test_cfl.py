@@ -5,6 +5,7 @@ missed, the state round trip, config errors, and a real run on digits that finds
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 from copy import deepcopy
 from dataclasses import replace
@@ -60,10 +61,16 @@ def cfl(tmp_path, num_clients: int, options: CFLOptions = OPTIONS, true=None) ->
 # ---- the stationarity test ---------------------------------------------------------------------
 
 
-def test_a_cluster_at_a_stationary_point_with_a_diverging_client_splits(tmp_path):
+def test_a_cluster_at_a_stationary_point_with_a_diverging_client_splits(tmp_path, caplog):
     strategy = cfl(tmp_path, 4)
-    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    with caplog.at_level(logging.INFO):
+        synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
     (split,) = strategy.splits
+    (logged,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CFL round")]
+    assert logged == (f"CFL round 1: cluster 0 -> (1, 2) (2 + 2 clients), α_max^cross {split.alpha_max_cross:.4g}, "
+                      f"mean update norm {split.mean_update_norm:.4g} < ε1, max {split.max_update_norm:.4g} > ε2; "
+                      "0 members without an update to place")
+    assert (tmp_path / "cluster_tree.png").is_file()  # drawn as the split happens, not only at a checkpoint
     assert split.round == 1 and split.parent == 0 and split.children == (1, 2)
     assert split.members == ((0, 2), (1, 3))
     assert strategy.assignment.tolist() == [1, 2, 1, 2]
@@ -73,7 +80,7 @@ def test_a_cluster_at_a_stationary_point_with_a_diverging_client_splits(tmp_path
 
 
 @pytest.mark.parametrize("case", ["mean large", "max small", "warm-up", "max_clusters reached", "too small"])
-def test_no_split_unless_every_condition_holds(tmp_path, case):
+def test_no_split_unless_every_condition_holds(tmp_path, case, caplog):
     updates = two_camps(range(4), {0, 2})
     options = OPTIONS
     rnd = 1
@@ -88,7 +95,9 @@ def test_no_split_unless_every_condition_holds(tmp_path, case):
     elif case == "too small":  # 4 updates < 2 * min_cluster_size
         options = replace(OPTIONS, min_cluster_size=3)
     strategy = cfl(tmp_path, 4, options)
-    synthetic_round(strategy, client_manager(4), rnd, adding(updates))
+    with caplog.at_level(logging.INFO):
+        synthetic_round(strategy, client_manager(4), rnd, adding(updates))
+    assert not [r for r in caplog.records if "not split" in r.getMessage()]  # refused before any bi-partition
     assert strategy.splits == [] and sorted(strategy.models) == [0]
     assert strategy.assignment.tolist() == [0, 0, 0, 0]
     mean, largest = strategy.norms[0]
@@ -234,6 +243,29 @@ def test_no_split_leaves_a_child_below_min_cluster_size(tmp_path):
     assert strategy.splits[0].members == ((0, 1, 2), (3,))
 
 
+def test_exactly_twice_min_cluster_size_updates_can_split_in_halves(tmp_path):
+    strategy = cfl(tmp_path, 4, replace(OPTIONS, min_cluster_size=2))
+    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    assert strategy.splits[0].members == ((0, 2), (1, 3))
+
+
+@pytest.mark.parametrize(("eps1", "eps2"), [(1.0, 2.0), (1.5, 3.0)])
+def test_the_norm_conditions_are_strict_as_published(tmp_path, eps1, eps2):
+    """Sattler et al.'s split test is ‖mean Δθ‖ < ε1 and max ‖Δθ_i‖ > ε2: here ‖mean‖ = 1 and max = 3
+    exactly (0, 2 at +3·e0; 1, 3 at −e0), at ε1 (first case) or at ε2 (second): no split."""
+    updates = {p: (3.0 if p in (0, 2) else -1.0) * direction(0) for p in range(4)}
+    strategy = cfl(tmp_path, 4, CFLOptions(thresholds="absolute", eps1=eps1, eps2=eps2))
+    synthetic_round(strategy, client_manager(4), 1, adding(updates))
+    assert strategy.norms[0] == (1.0, 3.0) and strategy.splits == []
+
+
+def test_gamma_max_at_its_bound_is_not_certified(tmp_path):
+    """γ_max < sqrt((1 − α_max^cross) / 2), strictly: at equality the bi-partition is not certified."""
+    assert not cfl(tmp_path, 4, replace(OPTIONS, gamma_max=0.5)).certified(0.5)
+    assert not cfl(tmp_path, 4, replace(OPTIONS, gamma_max=0.0)).certified(1.0)
+    assert cfl(tmp_path, 4, replace(OPTIONS, gamma_max=0.0)).certified(0.999)
+
+
 def test_the_weighted_mean_is_the_paper_s_and_uniform_the_reference_code_s(tmp_path):
     updates = two_camps(range(4), {0})  # one client (30 examples) against three (10 each)
     sizes = {0: 30, 1: 10, 2: 10, 3: 10}
@@ -293,7 +325,7 @@ def test_a_split_of_a_sub_cluster_maps_its_indices_to_global_client_ids(tmp_path
     second_round = two_camps(members, {3, 11}, size=2.0, seed=1) | {p: 2.0 * direction(2) for p in rest}
     synthetic_round(strategy, manager, 2, adding(second_round))
     second = strategy.splits[1]
-    assert second.parent == inner
+    assert second.parent == inner and first.children == (1, 2) and second.children == (3, 4)  # never reused
     assert second.members == ((3, 11), (7, 14))  # not (0, 2), (1, 3): the sub-matrix's indices
     assert strategy.assignment[[3, 11]].tolist() == [second.children[0]] * 2
     assert strategy.assignment[[7, 14]].tolist() == [second.children[1]] * 2

@@ -235,9 +235,10 @@ class CFL(ClusteredStrategy):
         updates = np.zeros((len(members), sent.size), dtype=np.float32)
         for row, reply in enumerate(members):  # one reply deserialized at a time
             updates[row] = flatten(reply.model()) - sent
-        weights = np.asarray([r.num_examples for r in members], dtype=np.float64)
-        if self.options.mean_update == "uniform" or weights.sum() <= 0:
+        if self.options.mean_update == "uniform":
             weights = np.ones(len(members))
+        else:  # each >= 1: the reply check refuses num_examples = 0
+            weights = np.asarray([r.num_examples for r in members], dtype=np.float64)
         mean_update = (weights / weights.sum()) @ updates.astype(np.float64)
         norms = np.linalg.norm(updates.astype(np.float64), axis=1)
         return UpdateStatistics(tuple(r.pid for r in members), updates, float(np.linalg.norm(mean_update)),
