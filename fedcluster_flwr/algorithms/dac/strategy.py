@@ -303,11 +303,9 @@ class Gossip(TakesTurns, ClusteredStrategy):
         return self.similarity
 
     def implied_clusters(self) -> np.ndarray:
-        """Soft clusters made hard for the metrics (``assignment``, hence purity/ARI): average-linkage
-        clustering of the symmetrised similarity as a distance (1 / s, a loss: the mean of both
-        directions, or the one known), unknown pairs at the largest known distance. Called once some
-        pair has met, so some distance is known; every s is a measured 1 / loss or a copy of one, so
-        finite and positive."""
+        """Soft clusters made hard for the metrics (``assignment``, hence purity/ARI): average linkage of
+        the distances 1 / s (a loss: both directions' mean, or the one known), unknown pairs at the
+        largest known. Called once a pair has met; every s is a measured 1 / loss or a copy of one."""
         loss = 1.0 / self.estimate  # NaN where unknown
         distance = np.where(np.isnan(loss), loss.T, np.where(np.isnan(loss.T), loss, (loss + loss.T) / 2))
         distance = np.nan_to_num(distance, nan=np.nanmax(distance))
