@@ -312,7 +312,7 @@ def cut_rule(threshold: float | None, num_clusters: int | None) -> str:
     if threshold is not None:
         return f"threshold {threshold:g}"
     if num_clusters is not None:
-        return f"{num_clusters} clusters"
+        return f"{num_clusters} cluster{'' if num_clusters == 1 else 's'}"
     return "largest silhouette"
 
 
