@@ -134,7 +134,6 @@ def test_relative_thresholds_do_not_split_camps_below_eps2_of_the_scale(tmp_path
     assert strategy.splits == []
 
 
-
 def leaning_camps(lean: float) -> dict[int, np.ndarray]:
     """Clients 0, 2 along e0 and 1, 3 along -e0, all leaning ``lean`` along e1: ‖mean‖ = lean,
     every norm sqrt(1 + lean²), α across the camps (lean² − 1) / (lean² + 1)."""
@@ -161,8 +160,6 @@ def test_gamma_max_splits_only_a_bipartition_the_paper_s_criterion_certifies(tmp
 
 
 def test_a_refused_split_is_logged_with_what_refused_it(tmp_path, caplog):
-    import logging
-
     with caplog.at_level(logging.INFO):
         synthetic_round(cfl(tmp_path, 4, CFLOptions(thresholds="absolute", eps1=2.0, eps2=1.0, gamma_max=0.6)),
                         client_manager(4), 1, adding(leaning_camps(1.5)))
@@ -200,7 +197,6 @@ def test_a_stationary_cluster_kept_whole_with_incongruent_updates_is_a_warning_a
     assert f"  warning                {warning}" in printed.splitlines()
 
 
-
 def test_one_client_pointing_away_at_the_end_is_no_warning(tmp_path):
     """Three clients one way, one the other (α_max^cross ≈ −1, but a child of one client): a single
     noisy update cannot be told from a group of one, so it is diagnosed but not reported."""
@@ -211,6 +207,7 @@ def test_one_client_pointing_away_at_the_end_is_no_warning(tmp_path):
     assert diagnosis.mean_update_norm < OPTIONS.eps1 and not diagnosis.incongruent
     assert strategy.summary()["warnings"] == []
 
+
 def test_a_congruent_cluster_at_the_end_is_no_warning(tmp_path):
     """Every client moves the same way, a little (stationary by ε1, no client above ε2): congruent,
     α_max^cross near 1, so nothing to warn about."""
@@ -220,6 +217,7 @@ def test_a_congruent_cluster_at_the_end_is_no_warning(tmp_path):
                     adding({p: 0.3 * direction(0) + 0.01 * rng.normal(size=DIM) for p in range(4)}))
     assert strategy.splits == [] and strategy.diagnoses[0].alpha_max_cross > 0.9
     assert strategy.summary()["incongruent_clusters"] == [] and strategy.summary()["warnings"] == []
+
 
 def test_the_warm_up_only_delays_the_split(tmp_path):
     strategy = cfl(tmp_path, 4, replace(OPTIONS, warmup_rounds=2))
@@ -496,6 +494,7 @@ def test_gamma_max_keeps_converged_groups_whole_where_no_guard_splits_them(tmp_p
     assert guarded["num_clusters"] == 4 and guarded["ari"] >= 0.9
     unguarded = four_groups_run(tmp_path / "unguarded", "seed=10", "partition.num_clients=32", "strategy.gamma_max=0")
     assert unguarded["num_clusters"] > 4 and unguarded["ari"] < 0.9
+
 
 def test_a_checkpoint_split_before_relative_thresholds_existed_is_not_resumed_as_relative(tmp_path):
     """Its splits followed the absolute ε and it holds no update scale S: resumed under relative

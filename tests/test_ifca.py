@@ -431,7 +431,6 @@ def test_warmup_trains_one_model_then_spawns_k_distinct_ones(tmp_path):
     assert all(0 < np.abs(v - warm).max() < 0.1 for v in sent)  # the warm model plus small noise
 
 
-
 def test_the_spawned_models_are_the_warm_model_plus_seeded_gaussian_noise_on_every_entry(tmp_path):
     strategy = strategy_of(IFCA, tmp_path, warmup_rounds=2, warmup_noise=0.01)
     manager = client_manager(len(GROUPS))
@@ -446,6 +445,7 @@ def test_the_spawned_models_are_the_warm_model_plus_seeded_gaussian_noise_on_eve
         assert [a.dtype for a in model] == [a.dtype for a in warm]
         for got, want in zip(model, expected):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
 
 def test_purity_is_the_share_of_clients_in_their_clusters_majority():
     true = np.array([0, 0, 0, 1, 1, 1, 2, 2])

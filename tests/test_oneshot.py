@@ -287,7 +287,6 @@ def test_gps_weights_differ_from_member_counts(tmp_path):
     np.testing.assert_allclose(strategy.models[0][1], 0.0)
 
 
-
 def test_the_gps_leaves_out_an_lps_without_members_and_weighs_by_members_without_sizes(tmp_path):
     setup = make_setup(tmp_path, 3, true=np.array([0, 0, 1]), parameter_names=["shared.w", "own.b"])
     assert setup.train_sizes is None  # sizes unknown: each member counts 1
@@ -303,6 +302,7 @@ def test_the_gps_leaves_out_an_lps_without_members_and_weighs_by_members_without
     assert strategy.gps_bytes == 2 * 2 * 12 * 4  # two LPS, up and down, one 4x3 float32 array
     strategy.gps_step()
     assert strategy.gps_total == 2 * strategy.gps_bytes
+
 
 def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     """conf/oneshot_cifar10_2tasks.yaml end to end (in process) on CIFAR-10 batches written in the
@@ -396,7 +396,6 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
     assert [r["phase"] for r in rows] == ["gram_eigen", "gram_eigen", "relevance"]
 
 
-
 @pytest.mark.parametrize("cut, clusters, rule", [({"threshold": 1e-3}, 2, "threshold 0.001"),
                                                  ({"threshold": 1.5}, 1, "threshold 1.5"),  # above every distance
                                                  ({"num_clusters": 1}, 1, "1 cluster")])  # not the 2 the data has
@@ -409,6 +408,7 @@ def test_the_one_shot_clustering_cuts_as_configured_and_leaves_non_responders_un
     assert strategy.assignment[5] == -1 and (strategy.assignment[:5] >= 0).all()
     if clusters == 2:  # the same distribution's clients have the same data: distance 0 within
         assert strategy.assignment[:5].tolist() in ([0, 1, 0, 1, 0], [1, 0, 1, 0, 1])
+
 
 def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     from fedcluster_flwr.checkpoints import load_checkpoint

@@ -205,7 +205,6 @@ def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_pat
     assert received[5].task == "train"
 
 
-
 @pytest.mark.parametrize("cut, clusters, rule", [({"threshold": 45.0}, 2, "threshold 45"),
                                                  ({"threshold": 1.0}, None, "threshold 1"),
                                                  ({"num_clusters": 3}, 3, "3 clusters")])
@@ -228,6 +227,7 @@ def test_the_one_shot_round_needs_two_subspaces_or_num_clusters_of_them(tmp_path
     strategy = pacfl_strategy(tmp_path, **options)
     synthetic_round(strategy, client_manager(6), 1, synthetic_client, fail=set(range(replies, 6)))
     assert strategy.clustered is clustered
+
 
 def test_an_interrupted_run_resumes_with_its_bases_and_places_newcomers_alike(tmp_path):
     from fedcluster_flwr.checkpoints import load_checkpoint

@@ -4,6 +4,7 @@ FL+HC's phases and clustering, failures, newcomers and the results files."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -511,7 +512,6 @@ def test_clustering_waits_for_a_quorum_of_updates(tmp_path):
     assert strategy.clustering.round == 4 and strategy.clustering.num_clusters == 3
 
 
-
 def test_exactly_a_quorum_of_updates_is_enough_to_cluster(tmp_path):
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
@@ -529,8 +529,6 @@ def test_a_quorum_below_one_update_clusters_the_one_that_came(tmp_path):
 
 
 def test_the_clustering_its_postponement_and_its_failure_are_logged(tmp_path, caplog, monkeypatch):
-    import logging
-
     from fedcluster_flwr.algorithms.flhc import strategy as flhc_module
 
     strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
@@ -573,6 +571,7 @@ def test_the_projection_of_the_updates_is_drawn_from_the_runs_seed(tmp_path):
         saved[folder] = np.load(tmp_path / folder / "updates.npy")
     np.testing.assert_array_equal(saved["a"], saved["b"])
     assert not np.allclose(saved["a"], saved["c"])
+
 
 def test_sampling_rounds_down_without_float_error(tmp_path):
     strategy = FedAvg(FractionOptions(0.29), make_setup(tmp_path, 100))
