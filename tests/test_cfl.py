@@ -279,6 +279,24 @@ def test_the_weighted_mean_is_the_paper_s_and_uniform_the_reference_code_s(tmp_p
     assert weighted.splits and not uniform.splits  # ‖(3·2 − 3·2)/6‖ ~ 0 < ε1; ‖(2 − 6)/4‖ = 1 > ε1
 
 
+@pytest.mark.parametrize("mean_update", ["weighted", "uniform"])
+def test_the_cluster_s_aggregate_moves_by_the_split_test_s_mean_update(tmp_path, mean_update):
+    updates = {p: (p + 1.0) * direction(p) for p in range(4)}  # no split in warm-up
+    sizes = {0: 40, 1: 10, 2: 10, 3: 20}
+
+    def client(received):
+        arrays, _, metrics = adding(updates)(received)
+        return arrays, sizes[received.pid], metrics
+
+    strategy = cfl(tmp_path, 4, replace(OPTIONS, mean_update=mean_update, warmup_rounds=5))
+    sent = flat(strategy.models[0])
+    synthetic_round(strategy, client_manager(4), 1, client)
+    weights = np.array([sizes[p] for p in range(4)] if mean_update == "weighted" else [1.0] * 4)
+    expected_step = (weights / weights.sum()) @ np.stack([updates[p] for p in range(4)])
+    np.testing.assert_allclose(flat(strategy.models[0]) - sent, expected_step, atol=1e-6)
+    assert strategy.norms[0][0] == pytest.approx(np.linalg.norm(expected_step))  # the test's ‖mean Δθ‖
+
+
 # ---- the bi-partition ----------------------------------------------------------------------------
 
 

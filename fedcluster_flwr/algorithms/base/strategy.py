@@ -314,9 +314,13 @@ class ClusteredStrategy(Strategy):
         prefix is a config error on ``key`` that lists the model's parameter names."""
         return parameters_with_prefixes(self.model_spec.names, prefixes, key)
 
+    def aggregation_weights(self, replies: Sequence[Reply]) -> Sequence[float]:
+        """Each reply's weight in :meth:`average`: its number of examples (FedAvg's |D_i|)."""
+        return [r.num_examples for r in replies]
+
     def average(self, replies: Sequence[Reply]) -> NDArrays:
-        """FedAvg of the models of ``replies``, weighted by their number of examples."""
-        return weighted_mean((r.model() for r in replies), [r.num_examples for r in replies], self.dtypes)
+        """FedAvg of the models of ``replies``, weighted by :meth:`aggregation_weights`."""
+        return weighted_mean((r.model() for r in replies), self.aggregation_weights(replies), self.dtypes)
 
     def aggregate_clusters(self, replies: Sequence[Reply]) -> None:
         """FedAvg inside each cluster (by the current assignment); clusters without replies keep their model."""

@@ -65,8 +65,9 @@ Choices, each a named option (default: the paper):
 * ``bipartition: optimal`` is the argmin above, computed exactly by the paper's merge procedure
   (single linkage on 1 − α, stopped at two groups); ``complete`` is the reference code's
   complete-linkage HAC into two (sklearn on −α).
-* ``mean_update: weighted`` weighs Δθ_i by |D_i| as the paper's criterion; ``uniform`` is the
-  reference code's plain mean (the same on equal-sized partitions).
+* ``mean_update: weighted`` weighs Δθ_i by |D_i| as the paper does, in the split test and in the
+  cluster's aggregate alike; ``uniform`` is the reference code's plain mean in both (the same on
+  equal-sized partitions).
 * ``warmup_rounds`` (0; the reference notebook: 20): no split in the first rounds.
 * ``min_cluster_size`` (1): a cluster is tested only if it has at least 2·``min_cluster_size``
   updates this round, and a split is made only if both children get at least ``min_cluster_size``
@@ -165,6 +166,8 @@ class CFLOptions:
     min_cluster_size: int = option(1, at_least(1))
     max_clusters: int | None = option(None, at_least(1))
     bipartition: Literal["optimal", "complete"] = "optimal"
+    # weighted: the |D_i|-weighted mean update in the split test and the cluster's aggregate (the
+    # paper); uniform: the plain mean in both (the reference code)
     mean_update: Literal["weighted", "uniform"] = "weighted"
 
     experiment_rules = (NoMoreThan("max_clusters", "partition.num_clients"),)
@@ -235,14 +238,20 @@ class CFL(ClusteredStrategy):
         updates = np.zeros((len(members), sent.size), dtype=np.float32)
         for row, reply in enumerate(members):  # one reply deserialized at a time
             updates[row] = flatten(reply.model()) - sent
-        if self.options.mean_update == "uniform":
-            weights = np.ones(len(members))
-        else:  # each >= 1: the reply check refuses num_examples = 0
-            weights = np.asarray([r.num_examples for r in members], dtype=np.float64)
+        weights = np.asarray(self.aggregation_weights(members), dtype=np.float64)
         mean_update = (weights / weights.sum()) @ updates.astype(np.float64)
         norms = np.linalg.norm(updates.astype(np.float64), axis=1)
         return UpdateStatistics(tuple(r.pid for r in members), updates, float(np.linalg.norm(mean_update)),
                                 float(norms.max()), float(norms.mean()))
+
+    def aggregation_weights(self, replies: Sequence[Reply]) -> Sequence[float]:
+        """|D_i| in both Σ_i |D_i|/|D_c| Δθ_i of the algorithm box (the split test's mean update and
+        the cluster's aggregate, one vector in the paper), or 1 each with ``mean_update: uniform``
+        (the reference code's ``torch.mean`` in ``compute_mean_update_norm`` and
+        ``aggregate_clusterwise`` alike). Each |D_i| >= 1: the reply check refuses num_examples = 0."""
+        if self.options.mean_update == "uniform":
+            return [1.0] * len(replies)
+        return super().aggregation_weights(replies)
 
     def thresholds(self) -> tuple[float, float]:
         """(ε1, ε2) of the split test: the options' absolute values, or their shares of S."""
