@@ -150,6 +150,13 @@ class HacResult:
     def num_clusters(self) -> int:
         return int(self.labels.max()) + 1 if len(self.labels) else 0
 
+    def sizes_text(self) -> str:
+        """``3 clusters of sizes [4, 4, 4]`` or ``1 cluster of size 12``, for the decision logs."""
+        sizes = np.bincount(self.labels).tolist()
+        if len(sizes) == 1:
+            return f"1 cluster of size {sizes[0]}"
+        return f"{len(sizes)} clusters of sizes {sizes}"
+
 
 @dataclass(frozen=True)
 class ClusteringRecord:

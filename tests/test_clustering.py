@@ -178,6 +178,9 @@ def test_one_group_is_not_split_at_a_threshold_above_its_spread():
     max_distance = pairwise_distances(vectors, "l2").max()
     result = hierarchical_clustering(vectors, "l2", "complete", threshold=max_distance * 1.01)
     assert result.num_clusters == 1
+    assert result.sizes_text() == "1 cluster of size 12"
+    split = hierarchical_clustering(vectors, "l2", "complete", num_clusters=2)
+    assert split.sizes_text() == f"2 clusters of sizes {np.bincount(split.labels).tolist()}"
 
 
 @pytest.mark.parametrize("distance", ["l1", "cosine"])

@@ -140,9 +140,8 @@ class FLHC(ClusteredStrategy):
         self.models = {k: joint for k in range(hac.num_clusters)}
         log(
             INFO,
-            "FL+HC round %s: %d clients -> %d clusters of sizes %s (%s distance, %s linkage, cut: %s); %s",
-            server_round, len(updates), hac.num_clusters, np.bincount(hac.labels).tolist(),
-            opts.distance, opts.linkage, cut, _distance_note(hac),
+            "FL+HC round %s: %d clients -> %s (%s distance, %s linkage, cut: %s); %s",
+            server_round, len(updates), hac.sizes_text(), opts.distance, opts.linkage, cut, _distance_note(hac),
         )
         updates_file = {"updates.npy": matrix.rows} if opts.save_updates else {}
         return dict(self.artifacts()) | updates_file  # the dendrogram now, not only at the next checkpoint

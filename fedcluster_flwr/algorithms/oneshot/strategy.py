@@ -356,8 +356,8 @@ class OneShotHFL(HierarchicalFL):
         self.clustered = True
         self.summaries, self.rows = {}, {}  # the one-shot phase is over; R keeps what they gave
         within, across = self.relevance_within_across()
-        log(INFO, "oneshot_hfl round %s: %d clients -> %d clusters of sizes %s; mean R within true tasks %.3f, across %.3f",
-            server_round, len(responders), hac.num_clusters, np.bincount(hac.labels).tolist(), within, across)
+        log(INFO, "oneshot_hfl round %s: %d clients -> %s; mean R within true tasks %.3f, across %.3f",
+            server_round, len(responders), hac.sizes_text(), within, across)
         return self.artifacts()  # now, not only at the next checkpoint
 
     def relevance_within_across(self) -> tuple[float, float]:

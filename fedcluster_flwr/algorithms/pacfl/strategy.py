@@ -131,8 +131,8 @@ class PACFL(HierarchicalFL):
         self.models = {k: self.initial_model() for k in range(hac.num_clusters)}
         self.clustered = True
         within, across = self.proximity_within_across()
-        log(INFO, "pacfl round %s: %d clients -> %d clusters of sizes %s; mean %s within true clusters %.2f°, across %.2f°",
-            server_round, len(pids), hac.num_clusters, np.bincount(hac.labels).tolist(), opts.proximity, within, across)
+        log(INFO, "pacfl round %s: %d clients -> %s; mean %s within true clusters %.2f°, across %.2f°",
+            server_round, len(pids), hac.sizes_text(), opts.proximity, within, across)
         return self.artifacts()  # now, not only at the next checkpoint
 
     # ---- FedAvg per cluster, newcomers placed by their subspace ------------------------------------
