@@ -3,14 +3,16 @@ eigen-summary, the feature maps, and hierarchical training whose GPS touches onl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import DEFAULT_CONFIG
+from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
 from fedcluster_flwr.config import load_config, parse_override
@@ -460,3 +462,16 @@ def test_both_relevance_rules_cluster_the_synthetic_clients(tmp_path):
         synthetic_round(strategy, manager, 2, one_shot_client())
         assert strategy.clustered and strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
         assert strategy.summary()["relevance_rule"] == rule
+
+
+@pytest.mark.skipif(not os.environ.get("FEDCLUSTER_DATA_DIR"), reason="needs Fashion-MNIST under FEDCLUSTER_DATA_DIR")
+def test_the_benchmark_s_k_sweep_runs_on_the_conf_and_finds_its_tasks():
+    """benchmarks/oneshot/run.py builds the relevance instruction itself (no Flower round); it broke
+    once when the instruction gained a key (eigen_floor). Its k = 5 row is the README's."""
+    spec = importlib.util.spec_from_file_location("oneshot_run", ROOT / "benchmarks" / "oneshot" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sweep = module.clustering_vs_k(0, (1, 5))
+    for rule in ("paper", "amiri"):
+        assert sweep[rule][5]["ari"] == 1.0
+        assert sweep[rule][5]["within"] > 0.9 > 0.5 > sweep[rule][5]["across"]

@@ -39,16 +39,13 @@ from fedcluster_flwr.algorithms.oneshot.math import RELEVANCE_RULES, cluster_by_
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.experiment import experiment_data, make_client
 from fedcluster_flwr.run_files import read_rounds
+from fedcluster_flwr.algorithms.oneshot.strategy import feature_config
 from fedcluster_flwr.algorithms.oneshot.tasks import (
+    EIGEN_FLOOR_KEY,
     EIGENVALUES,
     EIGENVECTORS,
-    FEATURES_KEY,
-    FEATURE_DIM_KEY,
-    FEATURE_SEED_KEY,
     NUM_EIGENVECTORS_KEY,
-    PRETRAINED_WEIGHTS_KEY,
     RELEVANCE,
-    SHARE_EIGENVALUES_KEY,
     relevance_to_every_client,
     top_gram_eigenpairs,
 )
@@ -74,16 +71,16 @@ def clustering_vs_k(seed: int, ks: tuple[int, ...]) -> dict[str, dict[int, dict[
     options = config.strategy.options
     true = experiment_data(config)[1].true_clusters
     clients = [make_client(config, pid, config.partition.num_clients) for pid in range(config.partition.num_clients)]
-    features = {FEATURES_KEY: options.features, FEATURE_DIM_KEY: 784, FEATURE_SEED_KEY: seed, PRETRAINED_WEIGHTS_KEY: ""}
-    top = {NUM_EIGENVECTORS_KEY: max(ks), SHARE_EIGENVALUES_KEY: True}
     summaries = []
     for client in clients:
-        blocks = top_gram_eigenpairs(client, TaskInput(1, {}, features | top)).blocks
+        top = feature_config(options, 784, seed, share_eigenvalues=True) | {NUM_EIGENVECTORS_KEY: max(ks)}
+        blocks = top_gram_eigenpairs(client, TaskInput(1, {}, top)).blocks
         summaries.append((blocks[EIGENVECTORS][0], blocks[EIGENVALUES][0]))
     results: dict[str, dict[int, dict[str, float]]] = {}
     for rule in RELEVANCE_RULES:
         share = rule == "amiri"
-        config_k = features | {SHARE_EIGENVALUES_KEY: share}
+        # the relevance instruction as the strategy sends it (strategy.feature_config, the conf's eigen_floor)
+        config_k = feature_config(options, 784, seed, share_eigenvalues=share) | {EIGEN_FLOOR_KEY: options.eigen_floor}
         results[rule] = {}
         for k in ks:
             truncated = [[vectors[:k], values[:k]] if share else [vectors[:k]] for vectors, values in summaries]
