@@ -71,9 +71,9 @@ def clustering_vs_k(seed: int, ks: tuple[int, ...]) -> dict[str, dict[int, dict[
     options = config.strategy.options
     true = experiment_data(config)[1].true_clusters
     clients = [make_client(config, pid, config.partition.num_clients) for pid in range(config.partition.num_clients)]
+    top = feature_config(options, 784, seed, share_eigenvalues=True) | {NUM_EIGENVECTORS_KEY: max(ks)}
     summaries = []
     for client in clients:
-        top = feature_config(options, 784, seed, share_eigenvalues=True) | {NUM_EIGENVECTORS_KEY: max(ks)}
         blocks = top_gram_eigenpairs(client, TaskInput(1, {}, top)).blocks
         summaries.append((blocks[EIGENVECTORS][0], blocks[EIGENVALUES][0]))
     results: dict[str, dict[int, dict[str, float]]] = {}
