@@ -17,7 +17,9 @@ The paper's algorithm box ("Clustered Federated Learning"), line by line, and wh
             C <- (C \\ c) ∪ {c1, c2}
       for c in C:  θ_c <- θ_c + Σ_{i∈c} |D_i|/|D_c| Δθ_i                     aggregate_clusters (FedAvg per cluster)
 
-Two consequences of the order of the last two lines, both as in the paper and the authors'
+Both Σ_i |D_i|/|D_c| Δθ_i take their weights from one place, ``aggregation_weights``.
+
+Two consequences of the order of the box's last two lines, both as in the paper and the authors'
 reference code: the split uses the updates of the round in which the test fires, and each child
 starts from the parent's model *as sent in that round* (θ_c, not the parent's aggregate of the
 round, which would mix in the other child's updates) and takes its own members' weighted mean
