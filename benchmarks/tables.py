@@ -8,7 +8,8 @@ in one of three states, read from its folder:
 - **checkpointed** (a ``checkpoint/`` from an earlier, stopped attempt): resumed from its checkpoint,
   on the engine asked for now (the engine is how rounds execute, not what they compute);
 - **new** (no folder, or a folder stopped before its first checkpoint, which is set aside as
-  ``<run>.incomplete-<n>``): started.
+  ``<run>.incomplete-<n>``): started, from scratch or, for a run with a :class:`Branch`, from the
+  checkpoint of another run (a threshold sweep's shared rounds) with the branch's options changed.
 
 Ctrl-C or SIGTERM stops the run in progress at its last checkpoint (every round by default) and
 the command with exit code 130/143; running the same command again continues. The run folders
@@ -38,7 +39,8 @@ from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.run_files import DamagedRunError, read_summary
 
-SMALL_FILES = ("summary.json", "rounds.jsonl", "config.yaml", "machine.json")  # what the repository keeps of a run
+# What the repository keeps of a run (branch.json: the run a branch continued, and what it changed).
+SMALL_FILES = ("summary.json", "rounds.jsonl", "config.yaml", "machine.json", "branch.json")
 
 
 def default_runs_root() -> Path:
@@ -47,12 +49,23 @@ def default_runs_root() -> Path:
 
 
 @dataclass(frozen=True)
+class Branch:
+    """A run that starts from another run's checkpoint (``source``: its folder) with ``overrides``
+    (``KEY=VALUE``) applied, as ``fedcluster resume SOURCE --out RUN --set ...`` would."""
+
+    source: Path
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class TableRun:
-    """One run of a table: its folder name (unique within the table) and its resolved config."""
+    """One run of a table: its folder name (unique within the table), its resolved config, and
+    for a branch where it starts from."""
 
     name: str
     config: ExperimentConfig
     labels: dict[str, Any] = dataclasses.field(default_factory=dict)  # setting, method, seed: for the page
+    branch: Branch | None = None
 
 
 def run_state(run_dir: Path) -> str:
@@ -83,7 +96,7 @@ def machine_description(engine: str) -> dict[str, Any]:
     }
 
 
-def _set_aside(run_dir: Path) -> Path:
+def set_aside(run_dir: Path) -> Path:
     """Move a folder that stopped before its first checkpoint out of the way (never deleted)."""
     for n in range(1, 1000):
         target = run_dir.with_name(f"{run_dir.name}.incomplete-{n}")
@@ -93,14 +106,23 @@ def _set_aside(run_dir: Path) -> Path:
     raise RuntimeError(f"too many incomplete attempts beside {run_dir}")
 
 
-def _with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> ExperimentConfig:
+def with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> ExperimentConfig:
+    """``config`` on ``engine``; ``workers`` is the batched engine's own (the others take none)."""
     simulation = dataclasses.replace(config.simulation, engine=engine)
-    if workers is not None:
+    if workers is not None and engine == "batched":
         simulation = dataclasses.replace(simulation, batched_workers=workers)
     return dataclasses.replace(config, simulation=simulation)
 
 
-def _record_machine(run_dir: Path, engine: str, seconds: float, resumed_from: int) -> None:
+def execution_overrides(engine: str, workers: int | None) -> list[str]:
+    """The ``--set`` items that move a run onto ``engine``: the batched engine's own settings go
+    with it (a run started batched and resumed in-process keeps none of them)."""
+    if engine == "batched":
+        return ["simulation.engine=batched"] + ([f"simulation.batched_workers={workers}"] if workers else [])
+    return [f"simulation.engine={engine}", "simulation.batched_workers=null", "simulation.batched_memory_gb=null"]
+
+
+def record_attempt(run_dir: Path, engine: str, seconds: float, resumed_from: int) -> None:
     """Append this attempt to ``machine.json`` (a run resumed elsewhere has several)."""
     path = run_dir / "machine.json"
     attempts = json.loads(path.read_text())["attempts"] if path.is_file() else []
@@ -154,23 +176,28 @@ def advance(
                 continue
             worked += 1
             started = time.perf_counter()
+            execution = execution_overrides(engine, workers)
             if state == "checkpointed":
                 done = checkpoint_round(run_dir) or 0
                 log(f"{run.name}: resuming from round {done} on {engine}")
-                overrides = [f"simulation.engine={engine}"] + ([f"simulation.batched_workers={workers}"] if workers else [])
                 try:
-                    continue_run(plan_continuation(run_dir, overrides=overrides))
+                    continue_run(plan_continuation(run_dir, overrides=execution))
                 finally:
-                    _record_machine(run_dir, engine, time.perf_counter() - started, done)
+                    record_attempt(run_dir, engine, time.perf_counter() - started, done)
             else:
                 if run_dir.exists():
-                    log(f"{run.name}: set aside {_set_aside(run_dir).name} (stopped before its first checkpoint)")
-                log(f"{run.name}: starting on {engine}")
+                    log(f"{run.name}: set aside {set_aside(run_dir).name} (stopped before its first checkpoint)")
+                branch = run.branch
+                done = (checkpoint_round(branch.source) or 0) if branch else 0
+                log(f"{run.name}: {f'branching {branch.source.name} at round {done}' if branch else 'starting'} on {engine}")
                 try:
-                    run_experiment(_with_engine(run.config, engine, workers), run_dir)
+                    if branch is None:
+                        run_experiment(with_engine(run.config, engine, workers), run_dir)
+                    else:
+                        continue_run(plan_continuation(branch.source, out=run_dir, overrides=[*branch.overrides, *execution]))
                 finally:
                     if run_dir.is_dir():
-                        _record_machine(run_dir, engine, time.perf_counter() - started, 0)
+                        record_attempt(run_dir, engine, time.perf_counter() - started, done)
             states[run.name] = run_state(run_dir)
             log(f"{run.name}: {states[run.name]} ({time.perf_counter() - started:.0f} s)")
             if states[run.name] == "finished":
