@@ -7,6 +7,7 @@ own runs where their records are given.
     python benchmarks/dac/reference_check.py --out /tmp/refcheck                   # 2 methods x 2 orders x seeds 0-2
     python benchmarks/dac/reference_check.py --out /tmp/refcheck --reference /tmp/dacref-out   # + the reference's rows
     python benchmarks/dac/reference_check.py --out /tmp/refcheck --report-only --reference /tmp/dacref-out
+    python benchmarks/dac/reference_check.py --out /tmp/same-init --set strategy.same_init=true   # a variant of ours
 
 The setting (``conf/dac_fmnist_rot_unequal.yaml`` reduced): ``--clients`` clients (default 40) in
 the reference's cluster shares 70/20/5/5 % (28/8/2/2) rotated 0/180/10/350°, ``--train`` training
@@ -69,8 +70,19 @@ def experiment(method: str, order: str, seed: int, args: argparse.Namespace):
         "partition.cluster_sizes": cluster_sizes(args.clients), "partition.samples_per_client": args.train + 150,
         "partition.val_fraction": 100 / (args.train + 150), "partition.test_fraction": 50 / (args.train + 150),
     }
-    config, _ = load_config(CONF, list(overrides.items()))
+    config, _ = load_config(CONF, list(overrides.items()) + [parse_override(item) for item in args.set])
     return config
+
+
+def check_variant(args: argparse.Namespace) -> None:
+    """``--out`` holds runs of one variant (``--set``): recorded in ``variant.json`` on first use, and
+    a later invocation with other settings is refused rather than mixing its runs with these."""
+    path = args.out / "variant.json"
+    if path.is_file() and (before := json.loads(path.read_text())["set"]) != args.set:
+        raise SystemExit(f"error: --set: {args.out} holds runs made with {before or 'no --set'}, not {args.set or 'none'}; "
+                         "give a new --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"set": args.set}) + "\n")
 
 
 class ReferenceProtocol:
@@ -214,8 +226,9 @@ def report(args: argparse.Namespace, seeds: list[int]) -> str:
             files = sorted(args.reference.glob(f"ref_{name}_n{args.clients}_r{args.exchanges}_t{args.train}_s*.jsonl"))
             rows[f"{method}, reference code"] = [reference(f) for f in files
                                                  if any("final_full_test" in line for line in f.read_text().splitlines())]
+    variant = f"Ours with {', '.join(f'`{item}`' for item in args.set)}. " if args.set else ""
     lines = [
-        f"{args.clients} clients ({'/'.join(map(str, cluster_sizes(args.clients)))} at 0/180/10/350°), {args.train} train + "
+        f"{variant}{args.clients} clients ({'/'.join(map(str, cluster_sizes(args.clients)))} at 0/180/10/350°), {args.train} train + "
         f"100 validation images each, pretraining + {args.exchanges} exchanges. Test accuracy (%) of each client's "
         f"best-validation model on its cluster's rotated official test images (ours: {args.final_test} held by no "
         "client; the reference's own final test on the first 2,000), mean per cluster, mean ± std over runs; "
@@ -266,7 +279,10 @@ def main() -> None:
     parser.add_argument("--final-test", type=int, default=2000)
     parser.add_argument("--round-test", type=int, default=200)
     parser.add_argument("--report-only", action="store_true", help="write the report from the runs there are")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of ours on top of the check's setting (a variant: give it its own --out)")
     args = parser.parse_args()
+    check_variant(args)
     args.methods = [m for m in args.methods.split(",") if m]
     args.orders = [o for o in args.orders.split(",") if o]
     unknown = [m for m in args.methods if m not in REFERENCE_NAMES]
