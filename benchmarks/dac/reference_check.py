@@ -78,6 +78,8 @@ def check_variant(args: argparse.Namespace) -> None:
     """``--out`` holds runs of one variant (``--set``): recorded in ``variant.json`` on first use, and
     a later invocation with other settings is refused rather than mixing its runs with these."""
     path = args.out / "variant.json"
+    if not path.is_file() and args.set and (args.out / "runs").is_dir():
+        raise SystemExit(f"error: --set: {args.out} holds runs of unrecorded settings; give a new --out")
     if path.is_file() and (before := json.loads(path.read_text())["set"]) != args.set:
         raise SystemExit(f"error: --set: {args.out} holds runs made with {before or 'no --set'}, not {args.set or 'none'}; "
                          "give a new --out")
