@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -46,7 +47,7 @@ from scipy.cluster import hierarchy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import value_at  # noqa: E402
 from tables import (  # noqa: E402
-    SMALL_FILES, Branch, TableRun, add_table_arguments, advance, default_runs_root, main_loop, record_attempt,
+    Branch, TableRun, add_table_arguments, advance, default_runs_root, keep_small_files, main_loop, record_attempt,
     set_aside, with_engine,
 )
 
@@ -282,13 +283,9 @@ def render(results_dir: Path, runs: list[TableRun], config: ExperimentConfig) ->
 
 def keep_shared_files(runs_root: Path, results_dir: Path) -> None:
     """The base's small files (it never finishes: it stops at round n) and the thresholds, into ``results_dir``."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / BASE).mkdir(exist_ok=True)
-    for name in SMALL_FILES:
-        if (runs_root / BASE / name).is_file():
-            (results_dir / BASE / name).write_bytes((runs_root / BASE / name).read_bytes())
+    keep_small_files(runs_root / BASE, results_dir)
     if (runs_root / "thresholds.json").is_file():
-        (results_dir / "thresholds.json").write_bytes((runs_root / "thresholds.json").read_bytes())
+        shutil.copy2(runs_root / "thresholds.json", results_dir / "thresholds.json")
 
 
 def main() -> int:
