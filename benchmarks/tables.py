@@ -35,6 +35,7 @@ from typing import Any
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
 
 from fedcluster_flwr.checkpoints import checkpoint_round
+from fedcluster_flwr.config import apply_overrides, build_config, config_to_dict, parse_override
 from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.run_files import DamagedRunError, read_summary
@@ -106,20 +107,18 @@ def set_aside(run_dir: Path) -> Path:
     raise RuntimeError(f"too many incomplete attempts beside {run_dir}")
 
 
-def with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> ExperimentConfig:
-    """``config`` on ``engine``; ``workers`` is the batched engine's own (the others take none)."""
-    simulation = dataclasses.replace(config.simulation, engine=engine)
-    if workers is not None and engine == "batched":
-        simulation = dataclasses.replace(simulation, batched_workers=workers)
-    return dataclasses.replace(config, simulation=simulation)
-
-
 def execution_overrides(engine: str, workers: int | None) -> list[str]:
     """The ``--set`` items that move a run onto ``engine``: the batched engine's own settings go
     with it (a run started batched and resumed in-process keeps none of them)."""
     if engine == "batched":
         return ["simulation.engine=batched"] + ([f"simulation.batched_workers={workers}"] if workers else [])
     return [f"simulation.engine={engine}", "simulation.batched_workers=null", "simulation.batched_memory_gb=null"]
+
+
+def with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> ExperimentConfig:
+    """``config`` on ``engine``, by :func:`execution_overrides` (checked as any override is)."""
+    moved = apply_overrides(config_to_dict(config), [parse_override(item) for item in execution_overrides(engine, workers)])
+    return build_config(moved)[0]
 
 
 def record_attempt(run_dir: Path, engine: str, seconds: float, resumed_from: int) -> None:
