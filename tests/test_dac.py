@@ -536,3 +536,44 @@ def test_pens_and_the_reference_two_hop_run_on_real_clients(tmp_path):
             assert strategy.communication.sum() == 3 * 20 * 3 + 2 * int(np.minimum(kept, 3).sum())
         else:
             assert np.isfinite(strategy.estimate[~np.eye(20, dtype=bool)]).mean() > 0.9  # most pairs estimated
+
+
+def test_the_reference_check_report_reads_both_sides_records(tmp_path):
+    """benchmarks/dac/reference_check.py's report (the DAC page's side-by-side tables): per-cluster
+    means over the seeds, the 180° clients' own-cluster draws, and every run with its current models
+    after the last exchange (a dead run shows at 10 %), from records in both sides' formats."""
+    import argparse
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("reference_check", ROOT / "benchmarks" / "dac" / "reference_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    true = [0, 1, 2, 3]  # one client per cluster: 0°, 180°, 10°, 350°
+    for seed, final_best, current in ((3, [0.8, 0.6, 0.7, 0.9], [0.7] * 4), (4, [0.6, 0.4, 0.5, 0.7], [0.1] * 4)):
+        record = tmp_path / "ours" / "runs" / f"random_gossip_synchronous_seed{seed}" / "reference_check.jsonl"
+        record.parent.mkdir(parents=True)
+        rounds = [{"round": r, "phase": "x", "seconds": 10.0, "best": final_best, "current": current,
+                   "own": {"1": 0.5}} for r in (1, 2)]
+        communication = [[0, 1, 0, 0], [2, 3, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]]  # client 1: 3 of 5 draws its own cluster
+        final = {"true_clusters": true, "final_best": final_best, "communication": communication}
+        record.write_text("".join(json.dumps(row) + "\n" for row in [*rounds, final]))
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "ref_random_n4_r1_t100_s3.jsonl").write_text("".join(json.dumps(row) + "\n" for row in (
+        {"round": -1, "best": [50.0] * 4, "local": [50.0] * 4},
+        {"round": 0, "best": [55.0] * 4, "local": [10.0] * 4},
+        {"final_full_test": [60.0, 50.0, 40.0, 30.0], "cluster_idx": true, "n_sampled": communication, "seconds": 7.0},
+    )))
+    args = argparse.Namespace(out=tmp_path / "ours", reference=reference, methods=["random_gossip"],
+                              orders=["synchronous"], clients=4, train=100, exchanges=1, final_test=2000,
+                              set=["strategy.same_init=true"])
+    lines = check.report(args, [3, 4]).splitlines()
+    assert lines[0].startswith("Ours with `strategy.same_init=true`. 4 clients (")
+    assert ("| random_gossip, ours, synchronous | 2 | 70.0 ± 10.0 | 50.0 ± 10.0 | 60.0 ± 10.0 | 80.0 ± 10.0 "
+            "| 50.0 ± 0.0 | 0.60 | 20 |") in lines
+    assert "| random_gossip, reference code | 1 | 60.0 | 50.0 | 40.0 | 30.0 | – | 0.60 | 7 |" in lines
+    assert "| random_gossip, ours, synchronous | 50 / 40 | 50 / 40 |" in lines  # round by round, 180°: best / current
+    assert "| random_gossip, ours, synchronous | 4 | 60.0 | 40.0 | 50.0 | 70.0 | 10.0 |" in lines  # the dead run
+    assert "| random_gossip, reference code | 3 | 60.0 | 50.0 | 40.0 | 30.0 | 10.0 |" in lines
