@@ -271,7 +271,8 @@ def render(results_dir: Path, runs: list[TableRun], config: ExperimentConfig) ->
     note = (
         f"\nMinutes: a branch's own rounds {at}..{config.rounds}, over every attempt (the shared rounds 1..{shared} "
         f"of `{BASE}` took {base_seconds / 60:.1f} min once{f', on {base_machine}' if base_machine else ''}); "
-        "a baseline's whole run."
+        "a baseline's whole run. Wall time, beside whatever else the machine ran and including any time a "
+        "run sat paused: not an engine timing."
     )
     table = markdown(rows, at, config.rounds, config.target_accuracy)
     thresholds = results_dir / "thresholds.json"
