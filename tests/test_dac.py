@@ -577,3 +577,26 @@ def test_the_reference_check_report_reads_both_sides_records(tmp_path):
     assert "| random_gossip, ours, synchronous | 50 / 40 | 50 / 40 |" in lines  # round by round, 180°: best / current
     assert "| random_gossip, ours, synchronous | 4 | 60.0 | 40.0 | 50.0 | 70.0 | 10.0 |" in lines  # the dead run
     assert "| random_gossip, reference code | 3 | 60.0 | 50.0 | 40.0 | 30.0 | 10.0 |" in lines
+
+
+def test_the_reference_check_keeps_one_variant_per_folder(tmp_path):
+    """`reference_check.py --set` makes a variant of ours; its folder refuses runs of other settings,
+    and a folder of runs made before variants were recorded refuses a variant."""
+    import argparse
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("reference_check", ROOT / "benchmarks" / "dac" / "reference_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    variant = argparse.Namespace(out=tmp_path / "same_init", set=["strategy.same_init=true"])
+    check.check_variant(variant)
+    check.check_variant(variant)  # the same settings again: continues
+    with pytest.raises(SystemExit, match="made with \\['strategy.same_init=true'\\], not none"):
+        check.check_variant(argparse.Namespace(out=tmp_path / "same_init", set=[]))
+    (tmp_path / "older" / "runs").mkdir(parents=True)
+    check.check_variant(argparse.Namespace(out=tmp_path / "older", set=[]))  # no variant asked: fine
+    (tmp_path / "older" / "variant.json").unlink()
+    with pytest.raises(SystemExit, match="unrecorded settings"):
+        check.check_variant(argparse.Namespace(out=tmp_path / "older", set=["strategy.same_init=true"]))
