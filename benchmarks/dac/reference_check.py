@@ -48,6 +48,7 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.engines.inprocess import run_in_process
 from fedcluster_flwr.experiment import experiment_data, model_factory
 from fedcluster_flwr.registry import strategy_class
+from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.training import evaluate, set_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,13 +285,14 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of ours on top of the check's setting (a variant: give it its own --out)")
     args = parser.parse_args()
-    check_variant(args)
     args.methods = [m for m in args.methods.split(",") if m]
     args.orders = [o for o in args.orders.split(",") if o]
     unknown = [m for m in args.methods if m not in REFERENCE_NAMES]
     if unknown:
         raise SystemExit(f"error: --methods: {unknown}; this check runs {', '.join(REFERENCE_NAMES)}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    experiment(args.methods[0], args.orders[0], seeds[0], args)  # a --set the config refuses fails here, before any run
+    check_variant(args)
     if not args.report_only:
         for seed in seeds:
             for method in args.methods:
@@ -302,4 +304,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as err:  # a --set the config refuses: the key and why, not a traceback
+        raise SystemExit(f"error: {err}") from None
