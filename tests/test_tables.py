@@ -4,6 +4,7 @@ page lists what finished."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -138,3 +139,19 @@ def test_a_stopped_threshold_sweep_continues_its_base_and_its_branches(tmp_path,
         assert f"| {title} |" in page
     assert {"branch.json", "machine.json", "rounds.jsonl"} <= {p.name for p in (results / "singletons").iterdir()}
     assert (results / "base" / "rounds.jsonl").is_file()
+
+
+def test_lins_table_extends_a_finished_batched_run_in_process(tmp_path):
+    """benchmarks/multimodel/run.py continues a run that finished short of the table's rounds, on the
+    engine asked for now: a run made on `batched` (its config names its workers) extends in-process."""
+    spec = importlib.util.spec_from_file_location("multimodel_run", ROOT / "benchmarks" / "multimodel" / "run.py")
+    multimodel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(multimodel)
+    run = tiny_runs()[0]
+    run_dir = tmp_path / run.name
+    run_experiment(with_engine(dataclasses.replace(run.config, rounds=1), "batched", 1), run_dir)
+    multimodel.extend_if_short(run_dir, 2, "inprocess")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["completed_rounds"] == 2
+    attempts = json.loads((run_dir / "machine.json").read_text())["attempts"]
+    assert [(a["engine"], a["resumed_from_round"]) for a in attempts] == [("inprocess", 1)]

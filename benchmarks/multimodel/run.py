@@ -54,7 +54,7 @@ from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py, tables.py
 from common import ENGINES, mean_std, run_or_reuse, value_at  # noqa: E402
-from tables import TableRun, advance, default_runs_root, machine_description, run_state  # noqa: E402
+from tables import TableRun, advance, default_runs_root, execution_overrides, record_attempt, run_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_METHODS = "ifca,gradloss-0.1,gradloss-0.2,gradloss-0.5,gradloss-0.2-mean,oracle,fedavg"
@@ -219,13 +219,9 @@ def extend_if_short(run_dir: Path, rounds: int, engine: str) -> None:
     print(f"{run_dir.name}: extending to {rounds} iterations on {engine}", flush=True)
     done = read_summary(run_dir)["completed_rounds"]
     try:
-        continue_run(plan_continuation(run_dir, overrides=[f"simulation.engine={engine}"], rounds=rounds))
+        continue_run(plan_continuation(run_dir, overrides=execution_overrides(engine, None), rounds=rounds))
     finally:  # the attempt's time and machine beside the earlier ones, as tables.advance records them
-        machine = run_dir / "machine.json"
-        attempts = json.loads(machine.read_text())["attempts"] if machine.is_file() else []
-        attempts.append(machine_description(engine) | {"seconds": round(time.perf_counter() - started, 1),
-                                                       "resumed_from_round": done})
-        machine.write_text(json.dumps({"attempts": attempts}, indent=1) + "\n")
+        record_attempt(run_dir, engine, time.perf_counter() - started, done)
     print(f"{run_dir.name}: extended ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
