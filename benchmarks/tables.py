@@ -27,7 +27,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,12 +121,22 @@ def with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> E
     return build_config(moved)[0]
 
 
+def recorded_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    """The attempts ``machine.json`` records for a run, oldest first (none: ``[]``)."""
+    path = run_dir / "machine.json"
+    return json.loads(path.read_text())["attempts"] if path.is_file() else []
+
+
+def engine_label(attempt: Mapping[str, Any]) -> str:
+    """How a page names where an attempt ran: its engine, and its device where that is not the CPU."""
+    return attempt["engine"] + ("" if attempt["device"] == "cpu" else f" ({attempt['device']})")
+
+
 def record_attempt(run_dir: Path, engine: str, seconds: float, resumed_from: int) -> None:
     """Append this attempt to ``machine.json`` (a run resumed elsewhere has several)."""
-    path = run_dir / "machine.json"
-    attempts = json.loads(path.read_text())["attempts"] if path.is_file() else []
+    attempts = recorded_attempts(run_dir)
     attempts.append(machine_description(engine) | {"seconds": round(seconds, 1), "resumed_from_round": resumed_from})
-    path.write_text(json.dumps({"attempts": attempts}, indent=1) + "\n")
+    (run_dir / "machine.json").write_text(json.dumps({"attempts": attempts}, indent=1) + "\n")
 
 
 def keep_small_files(run_dir: Path, results_dir: Path) -> Path:

@@ -29,7 +29,7 @@ import numpy as np
 from fedcluster_flwr.config import load_config, parse_override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
-from tables import TableRun, add_table_arguments, main_loop  # noqa: E402
+from tables import TableRun, add_table_arguments, engine_label, main_loop, recorded_attempts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results" / "full"
@@ -99,12 +99,10 @@ def render(results_dir: Path) -> None:
                     summary = json.loads((folder / "summary.json").read_text())
                     if summary.get("finished"):
                         summaries.append((seed, summary))
-                        machine = folder / "machine.json"
-                        machines.append(json.loads(machine.read_text())["attempts"] if machine.is_file() else [])
+                        machines.append(recorded_attempts(folder))
             per_cluster = [_cell([s["per_true_cluster_best_val_accuracy"][str(k)] for _, s in summaries])
                            for k in range(len(names))]
-            engines = sorted({a["engine"] + (f" ({a['device']})" if a["device"] != "cpu" else "")
-                              for m in machines for a in m}) or ["–"]
+            engines = sorted({engine_label(a) for m in machines for a in m}) or ["–"]
             walls = ", ".join(f"{s['wall_seconds'] / 3600:.1f} h" for _, s in summaries) or "–"
             lines.append(f"| {method} | {','.join(str(seed) for seed, _ in summaries) or '–'} | "
                          + " | ".join(per_cluster)

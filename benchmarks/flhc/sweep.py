@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import value_at  # noqa: E402
 from tables import (  # noqa: E402
     Branch, TableRun, add_table_arguments, advance, default_runs_root, keep_small_files, main_loop, record_attempt,
-    set_aside, with_engine,
+    recorded_attempts, set_aside, with_engine,
 )
 
 from fedcluster_flwr.checkpoints import checkpoint_round  # noqa: E402
@@ -159,8 +159,7 @@ def attempts_of(run_dir: Path) -> tuple[float, str | None]:
     """A run's own seconds over every attempt (a resumed run has several) and where it ran: from
     ``machine.json`` (:func:`tables.record_attempt`), or what sweeps before it kept (``timing.json``;
     for their base, its summary's wall time)."""
-    if (machine := run_dir / "machine.json").is_file():
-        attempts = json.loads(machine.read_text())["attempts"]
+    if attempts := recorded_attempts(run_dir):
         places = dict.fromkeys(
             a["device"] if a["device"] != "cpu" else f"CPU, {a['cpu_count']} cores, {a['engine']}" for a in attempts)
         return sum(a["seconds"] for a in attempts), "; ".join(places) or None

@@ -41,7 +41,6 @@ as in the paper) or ``gradloss-<lambda>-<mean|sum>``, ``oracle`` or ``fedavg``; 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,9 @@ from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py, tables.py
 from common import ENGINES, mean_std, run_or_reuse, value_at  # noqa: E402
-from tables import TableRun, advance, default_runs_root, execution_overrides, record_attempt, run_state  # noqa: E402
+from tables import (  # noqa: E402
+    TableRun, advance, default_runs_root, engine_label, execution_overrides, record_attempt, recorded_attempts, run_state,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_METHODS = "ifca,gradloss-0.1,gradloss-0.2,gradloss-0.5,gradloss-0.2-mean,oracle,fedavg"
@@ -236,12 +237,10 @@ def finished_rows(results_dir: Path, name: str, rounds: int) -> list[dict] | Non
 
 def wall_and_engine(folder: Path) -> tuple[float, str]:
     """Seconds over every attempt of a run, and the engines and devices that ran it."""
-    machine = folder / "machine.json"
-    if not machine.is_file():
+    attempts = recorded_attempts(folder)
+    if not attempts:
         return float(read_summary(folder).get("wall_seconds") or 0.0), "–"
-    attempts = json.loads(machine.read_text())["attempts"]
-    engines = sorted({a["engine"] + ("" if a["device"] == "cpu" else f" ({a['device']})") for a in attempts})
-    return sum(a["seconds"] for a in attempts), ", ".join(engines)
+    return sum(a["seconds"] for a in attempts), ", ".join(sorted({engine_label(a) for a in attempts}))
 
 
 SCALING_WORDS = {"standardized": "standardised (mean/std, dataset.scaling standardized)",
