@@ -5,6 +5,12 @@ in one of three states, read from its folder:
 
 - **finished** (``summary.json`` says ``finished``): skipped; its small files are copied into the
   table's committed results folder (``benchmarks/<paper>/results/full/<run>/``) if not there yet;
+- **kept** (no finished run folder, but the results folder holds a finished copy of the run: the
+  machine that ran it is gone): skipped, never run again nor overwritten, so long as the copy was
+  made with the run's config (``simulation``, where it ran, aside; a copy of more rounds holds the
+  rounds asked for, one of fewer is run again, longer); a copy made with another config stops the
+  command with the keys that differ. (A caller that needs the run folder itself, as a
+  sweep's probe does, passes ``reuse_kept=False``.)
 - **checkpointed** (a ``checkpoint/`` from an earlier, stopped attempt): resumed from its checkpoint,
   on the engine asked for now (the engine is how rounds execute, not what they compute);
 - **new** (no folder, or a folder stopped before its first checkpoint, which is set aside as
@@ -35,7 +41,7 @@ from typing import Any
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
 
 from fedcluster_flwr.checkpoints import checkpoint_round
-from fedcluster_flwr.config import apply_overrides, build_config, config_to_dict, parse_override
+from fedcluster_flwr.config import apply_overrides, build_config, config_to_dict, load_config, parse_override
 from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.run_files import DamagedRunError, read_summary
@@ -79,6 +85,54 @@ def run_state(run_dir: Path) -> str:
     if checkpoint_round(run_dir) is not None:
         return "checkpointed"
     return "new"
+
+
+def experiment_settings(config: ExperimentConfig) -> dict[str, Any]:
+    """A config as dotted keys, ``simulation`` (how rounds execute, not what they compute) left out."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        else:
+            flat[prefix] = value
+
+    walk("", {k: v for k, v in config_to_dict(config).items() if k != "simulation"})
+    return flat
+
+
+class StaleCopyError(RuntimeError):
+    """The results folder holds a finished copy of a run made with another config."""
+
+
+def kept_copy(run: TableRun, results_dir: Path) -> Path | None:
+    """``results_dir/<run>`` if it holds a finished copy of ``run`` (see the module docstring)."""
+    copy = results_dir / run.name
+    try:
+        if read_summary(copy).get("finished") is not True:
+            return None
+    except (DamagedRunError, FileNotFoundError, OSError):
+        return None
+    made_with, _ = load_config(copy / "config.yaml", [])
+    before, now = experiment_settings(made_with), experiment_settings(run.config)
+    differ = sorted(key for key in before.keys() | now.keys() if before.get(key) != now.get(key))
+    if differ == ["rounds"]:  # a longer copy holds the rounds asked for; a shorter one is run again, longer
+        return copy if before["rounds"] > now["rounds"] else None
+    if differ:
+        shown = "; ".join(f"{key}: {before.get(key)!r} there, {now.get(key)!r} now" for key in differ[:5])
+        raise StaleCopyError(
+            f"{copy} holds a finished {run.name} made with another config ({shown}"
+            f"{f'; {len(differ) - 5} more' if len(differ) > 5 else ''}): move it aside to run it again, "
+            "or give another --results-dir"
+        )
+    return copy
+
+
+def listed_state(run: TableRun, runs_root: Path, results_dir: Path) -> str:
+    """A run's state as ``--list`` shows it: :func:`run_state`, or ``kept`` (:func:`kept_copy`)."""
+    state = run_state(runs_root / run.name)
+    return "kept" if state != "finished" and kept_copy(run, results_dir) else state
 
 
 def machine_description(engine: str) -> dict[str, Any]:
@@ -159,11 +213,13 @@ def advance(
     render: Callable[[], None] | None = None,
     only: Iterable[str] | None = None,
     max_runs: int | None = None,
+    reuse_kept: bool = True,
     log: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> dict[str, str]:
     """Run, resume or skip each of ``runs`` in order (see the module docstring); return each run's
     state afterwards. ``max_runs`` stops after that many runs were started or resumed (a stretch of
-    work); ``only`` restricts to those names. Raises :class:`Interrupted` on a stop signal, after
+    work); ``only`` restricts to those names; ``reuse_kept`` skips a run whose finished copy is in
+    ``results_dir`` though its folder is gone. Raises :class:`Interrupted` on a stop signal, after
     the page is written from what finished."""
     names = [run.name for run in runs]
     if len(set(names)) != len(names):
@@ -172,10 +228,16 @@ def advance(
     runs_root.mkdir(parents=True, exist_ok=True)
     states: dict[str, str] = {}
     worked = 0
+    kept = {run.name for run in runs
+            if reuse_kept and run_state(runs_root / run.name) != "finished" and kept_copy(run, results_dir)}
     try:
         for run in runs:
             run_dir = runs_root / run.name
             state = run_state(run_dir)
+            if run.name in kept:
+                log(f"{run.name}: kept (finished in {results_dir / run.name}; its run folder is gone)")
+                states[run.name] = "kept"
+                continue
             if state == "finished" or (wanted is not None and run.name not in wanted) or (
                 max_runs is not None and worked >= max_runs
             ):
@@ -243,14 +305,14 @@ def main_loop(runs: Sequence[TableRun], args: Any, table: str, default_results: 
     runs_root = args.runs_dir or default_runs_root() / table
     results_dir = args.results_dir or default_results
     results_dir.mkdir(parents=True, exist_ok=True)
-    if args.list:
-        for run in runs:
-            print(f"{run_state(runs_root / run.name):12s} {run.name}")
-        return 0
     if args.render:
         render(results_dir)
         return 0
     try:
+        if args.list:
+            for run in runs:
+                print(f"{listed_state(run, runs_root, results_dir):12s} {run.name}")
+            return 0
         states = advance(
             runs, runs_root=runs_root, results_dir=results_dir, engine=args.engine,
             workers=args.workers or None, render=lambda: render(results_dir),
@@ -259,6 +321,9 @@ def main_loop(runs: Sequence[TableRun], args: Any, table: str, default_results: 
     except Interrupted as stop:
         print(f"stopped: {stop}; run the same command again to continue", file=sys.stderr)
         return stop.exit_code
-    done = sum(state == "finished" for state in states.values())
+    except StaleCopyError as stale:
+        print(f"error: {stale}", file=sys.stderr)
+        return 2
+    done = sum(state in ("finished", "kept") for state in states.values())
     print(f"{done} of {len(runs)} runs finished; runs in {runs_root}, page in {results_dir}")
     return 0

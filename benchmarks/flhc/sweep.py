@@ -129,7 +129,8 @@ def probe_cuts(
     overrides = ("strategy.save_updates=true", "strategy.threshold=null", "strategy.num_clusters=1",
                  f"rounds={clustering_round}", *settings)
     probe_run = TableRun(PROBE, plan_continuation(base, out=probe, overrides=overrides).config, branch=Branch(base, overrides))
-    advance([probe_run], runs_root=runs_root, results_dir=results_dir, engine=engine, workers=workers)
+    advance([probe_run], runs_root=runs_root, results_dir=results_dir, engine=engine, workers=workers,
+            reuse_kept=False)  # its updates.npy, in the run folder, is what the thresholds are measured on
     if not (probe / "updates.npy").is_file():
         raise SystemExit(f"{probe}/updates.npy is gone; delete {probe} to measure the thresholds again")
     updates = np.load(probe / "updates.npy")

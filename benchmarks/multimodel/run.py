@@ -54,7 +54,8 @@ from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py, tables.py
 from common import ENGINES, mean_std, run_or_reuse, value_at  # noqa: E402
 from tables import (  # noqa: E402
-    TableRun, advance, default_runs_root, engine_label, execution_overrides, record_attempt, recorded_attempts, run_state,
+    StaleCopyError, TableRun, advance, default_runs_root, engine_label, execution_overrides, listed_state, record_attempt,
+    recorded_attempts, run_state,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,20 +302,23 @@ def paper_table(args: argparse.Namespace, conf: Path, scale: str, methods: list[
     command = (f"python benchmarks/multimodel/run.py --paper --conf {conf.name} --methods {','.join(methods)} "
                f"--seeds {','.join(map(str, seeds))}" + (f" --rounds {args.rounds}" if args.rounds else ""))
     render = lambda: render_paper_table(results_dir, runs, rounds, command)  # noqa: E731
-    if args.list:
-        for run in runs:
-            print(f"{run_state(runs_root / run.name):12s} {run.name}")
-        return 0
     if args.render:
         print(render())
         return 0
     try:
+        if args.list:
+            for run in runs:
+                print(f"{listed_state(run, runs_root, results_dir):12s} {run.name}")
+            return 0
         for run in runs:  # one at a time, so a short run is extended in its turn
             extend_if_short(runs_root / run.name, rounds, engine)
             advance([run], runs_root=runs_root, results_dir=results_dir, engine=engine, render=render)
     except Interrupted as stop:
         print(f"stopped: {stop}; run the same command again to continue", file=sys.stderr)
         return stop.exit_code
+    except StaleCopyError as stale:
+        print(f"error: {stale}", file=sys.stderr)
+        return 2
     print(render())
     print(f"runs in {runs_root}, page in {results_dir / 'results.md'}")
     return 0

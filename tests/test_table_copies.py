@@ -1,0 +1,86 @@
+"""A table whose run folders are gone with their machine keeps its committed copies
+(benchmarks/tables.py, ``kept``): a finished copy made with the run's config is never run again, a
+copy made with another config stops the command naming the keys, a shorter copy is run again, longer.
+No engine runs here: every run this would start is one of the failures."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from conftest import DEFAULT_CONFIG, ROOT
+from fedcluster_flwr.config import config_to_dict, load_config, parse_override
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from tables import StaleCopyError, TableRun, advance, listed_state  # noqa: E402
+
+
+def table_run(*overrides: str) -> TableRun:
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("strategy.name=fedavg", "rounds=3", "seed=0", *overrides)])
+    return TableRun("fedavg_seed0", config)
+
+
+def commit_copy(results, run: TableRun, *, finished: bool = True, **changed) -> None:
+    """What a finished run leaves in the repository: its summary and resolved config (``changed``
+    edits top-level keys of the config, as another version of the table would have had them)."""
+    folder = results / run.name
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"finished": finished, "completed_rounds": 3}))
+    (folder / "config.yaml").write_text(yaml.safe_dump(config_to_dict(run.config) | changed))
+
+
+def must_not_run(*args, **kwargs):
+    raise AssertionError("a kept run was started again")
+
+
+def test_a_finished_copy_is_kept_when_its_run_folder_is_gone(tmp_path, monkeypatch):
+    run, results = table_run(), tmp_path / "results"
+    commit_copy(results, run)
+    config_yaml = (results / run.name / "config.yaml").read_text()
+    monkeypatch.setattr("tables.run_experiment", must_not_run)
+    log: list[str] = []
+    states = advance([run], runs_root=tmp_path / "runs", results_dir=results, engine="inprocess", log=log.append)
+    assert states == {run.name: "kept"}
+    assert log == [f"{run.name}: kept (finished in {results / run.name}; its run folder is gone)"]
+    assert listed_state(run, tmp_path / "runs", results) == "kept"
+    assert (results / run.name / "config.yaml").read_text() == config_yaml  # never overwritten
+
+
+def test_where_a_copy_ran_does_not_matter(tmp_path, monkeypatch):
+    """``simulation`` says how rounds executed (engine, workers), not what they computed."""
+    run, results = table_run("simulation.engine=batched"), tmp_path / "results"
+    commit_copy(results, table_run("simulation.engine=inprocess"))
+    monkeypatch.setattr("tables.run_experiment", must_not_run)
+    assert advance([run], runs_root=tmp_path / "runs", results_dir=results, engine="ray", log=lambda _: None) == {
+        run.name: "kept"}
+
+
+def test_a_copy_made_with_another_config_stops_the_table_naming_the_key(tmp_path, monkeypatch):
+    run, results = table_run("client.lr=0.05"), tmp_path / "results"
+    commit_copy(results, table_run("client.lr=0.1"))
+    monkeypatch.setattr("tables.run_experiment", must_not_run)
+    with pytest.raises(StaleCopyError, match=r"client\.lr: 0\.1 there, 0\.05 now.*move it aside"):
+        advance([run], runs_root=tmp_path / "runs", results_dir=results, engine="inprocess", log=lambda _: None)
+
+
+def test_a_shorter_copy_is_run_again_longer_and_a_longer_one_is_kept(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    commit_copy(results, table_run("rounds=2"))
+    started = []
+    monkeypatch.setattr("tables.run_experiment", lambda config, run_dir, **_: started.append(config.rounds))
+    advance([table_run("rounds=3")], runs_root=tmp_path / "runs", results_dir=results, engine="inprocess",
+            log=lambda _: None)
+    assert started == [3]
+    started.clear()
+    advance([table_run("rounds=1")], runs_root=tmp_path / "runs", results_dir=results, engine="inprocess",
+            log=lambda _: None)
+    assert started == []
+
+
+def test_an_unfinished_copy_is_not_kept(tmp_path):
+    run, results = table_run(), tmp_path / "results"
+    commit_copy(results, run, finished=False)
+    assert listed_state(run, tmp_path / "runs", results) == "new"
