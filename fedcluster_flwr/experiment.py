@@ -189,7 +189,7 @@ def server_components(
     checkpoint; with ``stop_after``, stop (checkpointed) after that round, leaving the run to be
     resumed or branched."""
     use_configured_numerics(config)
-    _, partition = experiment_data(config)
+    pool, partition = experiment_data(config)
     resolved = config_to_dict(config)
     recorder = RunRecorder(run_dir, on_round, resolved, phase_words=strategy_phase_words())
     if not resume:
@@ -214,6 +214,7 @@ def server_components(
     log = RoundLog(
         recorder, partition.true_clusters, config.target_accuracy, config.rounds, config.checkpoint_every,
         stop_round=stop_after, numeric_platform=numeric_platform(), title=run_title(config),
+        majority_accuracy=majority_accuracy(pool.labels, partition),
     )
     federation = Federation(join_round=config.simulation.join_round, timeout_s=config.simulation.round_timeout_s)
     strategy.connect(federation, log)
@@ -222,6 +223,17 @@ def server_components(
     remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
     server_config = ServerConfig(num_rounds=remaining, round_timeout=config.simulation.round_timeout_s)
     return ServerAppComponents(strategy=strategy, config=server_config)
+
+
+def majority_accuracy(labels: np.ndarray, partition: Partition) -> dict[int, float]:
+    """Per client, the accuracy of always answering the most common label of its test set, as the
+    client sees its labels (after its transform's relabelling)."""
+    shares = {}
+    for pid, (idx, transform) in enumerate(zip(partition.test_indices, partition.transforms)):
+        seen = labels[idx] if transform.label_map is None else np.asarray(transform.label_map)[labels[idx]]
+        if len(seen):
+            shares[pid] = float(np.bincount(seen).max() / len(seen))
+    return shares
 
 
 def client_data(config: ExperimentConfig, pid: int) -> ClientData:

@@ -35,6 +35,13 @@ TOTALS = ("bytes_up", "bytes_down", "bytes_eval", "fit_failures", "rejected_upda
 PHASE_TOTALS = ("bytes_up", "bytes_down")  # also summed per phase (e.g. one-shot HFL's clustering rounds)
 
 
+def no_better_than_majority(accuracy: Mapping[int, float], majority: Mapping[int, float]) -> list[int]:
+    """The clients whose ``accuracy`` is at most ``majority`` (always answering their most common
+    test label): what a collapsed model scores. A client whose test set holds one label is left
+    out: there a constant answer is as right as a perfect model."""
+    return [p for p, value in sorted(accuracy.items()) if majority.get(p, 1.0) < 1.0 and value <= majority[p]]
+
+
 class RoundLog:
     """Counters, totals, metrics rows and the summary of one run; see the module docstring."""
 
@@ -48,8 +55,12 @@ class RoundLog:
         stop_round: int | None = None,
         numeric_platform: Mapping[str, str] | None = None,
         title: str = "",
+        majority_accuracy: Mapping[int, float] | None = None,
     ) -> None:
         self.recorder = recorder
+        # per client, the accuracy of always answering its own most common test label: a model no
+        # better than that has collapsed (or never learned), whatever the client's label mix
+        self.majority_accuracy = dict(majority_accuracy or {})
         self.title = title
         self.numeric_platform = dict(numeric_platform or {})
         self.stop_round = stop_round
@@ -157,11 +168,19 @@ class RoundLog:
             "assignment": assignment.tolist(),
             "true_clusters": [None if c == UNKNOWN_CLUSTER else c for c in self.true_clusters.tolist()],
             "client_accuracy": {str(p): a for p, a in sorted(self.latest_accuracy.items())},
+            "clients_no_better_than_majority": self.clients_no_better_than_majority(),
             **self.totals,
             "bytes_by_phase": self.totals_by_phase,
             "wall_seconds": self.wall_seconds(),
             "numeric_platform": self.numeric_platform,
         }
+
+    def clients_no_better_than_majority(self) -> list[int]:
+        """:func:`no_better_than_majority` of the last evaluation, over the clients of a known label
+        mix (a device on its own data has none)."""
+        known = {p for p, c in enumerate(self.true_clusters) if c != UNKNOWN_CLUSTER}
+        return no_better_than_majority(
+            {p: a for p, a in self.latest_accuracy.items() if p in known}, self.majority_accuracy)
 
     def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> None:
         """Record the round: its row, the files the algorithm returned, a checkpoint with the

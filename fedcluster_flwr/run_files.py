@@ -73,6 +73,11 @@ def format_summary(summary: Mapping[str, Any], run_dir: Path) -> str:
         f"  wall time              {summary['wall_seconds']:.1f} s",
         f"  results                {run_dir}",
     ]
+    collapsed = summary.get("clients_no_better_than_majority") or []
+    if collapsed:  # a run whose models collapsed is a different result from one that learned less
+        lines.append(f"  warning                {len(collapsed)} of {len(summary.get('client_accuracy') or {})} "
+                     "clients no better than always answering their most common test label (what a collapsed "
+                     "model scores): clients_no_better_than_majority in summary.json")
     lines += [f"  warning                {warning}" for warning in summary.get("warnings") or ()]  # the algorithm's
     return "\n".join(lines)
 

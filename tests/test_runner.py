@@ -156,3 +156,33 @@ def test_a_driver_joining_a_ray_cluster_leaves_the_gpu_check_to_the_clients(tmp_
     runner.preflight(cluster, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"^client\.device: is 'cuda' but this machine has no CUDA GPU"):
         make_client(cluster, 0, cluster.partition.num_clients)
+
+
+def test_a_run_whose_models_collapsed_says_so(tmp_path):
+    """A diverged run (lr 20) ends with every client no better than always answering its most common
+    test label: the summary names them and the printout warns; a run that learned names none."""
+    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.run_files import format_summary, read_summary
+
+    tiny = ("strategy.name=fedavg", "rounds=2", "partition.num_clients=6", "partition.num_groups=2", "client.epochs=1",
+            "seed=0")
+    warnings = {}
+    for lr in (20, 0.05):
+        run_in_process(config(*tiny, f"client.lr={lr}"), tmp_path / str(lr))
+        summary = read_summary(tmp_path / str(lr))
+        warnings[lr] = [line for line in format_summary(summary, tmp_path).splitlines() if "collapsed" in line]
+        if lr == 20:
+            assert summary["clients_no_better_than_majority"] == list(range(6))
+        else:
+            assert summary["clients_no_better_than_majority"] == []
+    assert warnings[20] == ["  warning                6 of 6 clients no better than always answering their most common "
+                            "test label (what a collapsed model scores): clients_no_better_than_majority in summary.json"]
+    assert warnings[0.05] == []
+
+
+def test_a_client_whose_test_set_holds_one_label_is_never_called_collapsed():
+    from fedcluster_flwr.round_log import no_better_than_majority
+
+    majority = {0: 0.5, 1: 1.0, 2: 0.2}
+    assert no_better_than_majority({0: 0.5, 1: 1.0, 2: 0.9}, majority) == [0]
+    assert no_better_than_majority({0: 0.51, 1: 0.0, 2: 0.2}, majority) == [2]
