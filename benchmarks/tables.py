@@ -186,6 +186,21 @@ def engine_label(attempt: Mapping[str, Any]) -> str:
     return attempt["engine"] + ("" if attempt["device"] == "cpu" else f" ({attempt['device']})")
 
 
+def collapsed_clients(copy: Path) -> list[int]:
+    """A finished run's clients no better than always answering their most common test label
+    (``summary.json``'s ``clients_no_better_than_majority``; for a copy made before the summary had
+    it, worked out from its config's partition and last accuracies, by the same rule)."""
+    summary = read_summary(copy)
+    if "clients_no_better_than_majority" in summary:
+        return summary["clients_no_better_than_majority"]
+    from fedcluster_flwr.experiment import experiment_data, majority_accuracy
+    from fedcluster_flwr.round_log import no_better_than_majority
+
+    pool, partition = experiment_data(load_config(copy / "config.yaml", [])[0])
+    accuracy = {int(pid): value for pid, value in summary["client_accuracy"].items()}
+    return no_better_than_majority(accuracy, majority_accuracy(pool.labels, partition))
+
+
 def record_attempt(run_dir: Path, engine: str, seconds: float, resumed_from: int) -> None:
     """Append this attempt to ``machine.json`` (a run resumed elsewhere has several)."""
     attempts = recorded_attempts(run_dir)

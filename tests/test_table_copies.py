@@ -15,7 +15,7 @@ from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from tables import StaleCopyError, TableRun, advance, listed_state  # noqa: E402
+from tables import StaleCopyError, TableRun, advance, collapsed_clients, listed_state  # noqa: E402
 
 
 def table_run(*overrides: str) -> TableRun:
@@ -84,3 +84,14 @@ def test_an_unfinished_copy_is_not_kept(tmp_path):
     run, results = table_run(), tmp_path / "results"
     commit_copy(results, run, finished=False)
     assert listed_state(run, tmp_path / "runs", results) == "new"
+
+
+def test_a_copy_made_before_summaries_named_collapsed_clients_is_read_by_the_same_rule(tmp_path):
+    run, results = table_run("partition.num_clients=4", "partition.num_groups=2"), tmp_path / "results"
+    commit_copy(results, run)
+    summary = json.loads((results / run.name / "summary.json").read_text())
+    summary["client_accuracy"] = {"0": 0.0, "1": 0.95, "2": 0.9, "3": 0.05}
+    (results / run.name / "summary.json").write_text(json.dumps(summary))
+    assert collapsed_clients(results / run.name) == [0, 3]
+    (results / run.name / "summary.json").write_text(json.dumps(summary | {"clients_no_better_than_majority": [1]}))
+    assert collapsed_clients(results / run.name) == [1]  # a summary that names them is read as it is

@@ -29,7 +29,7 @@ import numpy as np
 from fedcluster_flwr.config import load_config, parse_override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
-from tables import TableRun, add_table_arguments, engine_label, main_loop, recorded_attempts  # noqa: E402
+from tables import TableRun, add_table_arguments, collapsed_clients, engine_label, main_loop, recorded_attempts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results" / "full"
@@ -82,17 +82,19 @@ def render(results_dir: Path) -> None:
         "Written by `python benchmarks/dac/table.py` from the finished runs below (the command resumes; "
         "see its docstring). Test accuracy (%) of each client's best-validation model after the last round, "
         "mean per true cluster, mean ± std over the seeds done. Paper: the numbers our copy of the paper "
-        "keeps (– where extraction lost them). CIFAR-10 cannot run here (no offline copy).\n",
+        "keeps (– where extraction lost them). Collapsed clients: per seed, the clients whose last model is no "
+        "better than always answering their most common test label (a dead run has all 100). CIFAR-10 cannot run "
+        "here (no offline copy).\n",
     ]
     for setting, (conf, methods) in SETTINGS.items():
         config, _ = load_config(ROOT / "conf" / conf, [])
         options = config.partition.options
         names = [f"{a:g}° ({n})" for a, n in zip(options.angles, options.cluster_sizes)]
         lines += [f"\n## {setting} (`conf/{conf}`)\n",
-                  "| method | seeds | " + " | ".join(names) + " | mean client | engine | wall time per run |",
-                  "|---|---|" + "---|" * (len(names) + 3)]
+                  "| method | seeds | " + " | ".join(names) + " | mean client | collapsed clients | engine | wall time per run |",
+                  "|---|---|" + "---|" * (len(names) + 4)]
         for method in methods:
-            summaries, machines = [], []
+            summaries, machines, collapsed = [], [], []
             for seed in SEEDS:
                 folder = results_dir / f"{setting}_{method}_seed{seed}"
                 if (folder / "summary.json").is_file():
@@ -100,17 +102,19 @@ def render(results_dir: Path) -> None:
                     if summary.get("finished"):
                         summaries.append((seed, summary))
                         machines.append(recorded_attempts(folder))
+                        collapsed.append(len(collapsed_clients(folder)))
             per_cluster = [_cell([s["per_true_cluster_best_val_accuracy"][str(k)] for _, s in summaries])
                            for k in range(len(names))]
             engines = sorted({engine_label(a) for m in machines for a in m}) or ["–"]
             walls = ", ".join(f"{s['wall_seconds'] / 3600:.1f} h" for _, s in summaries) or "–"
             lines.append(f"| {method} | {','.join(str(seed) for seed, _ in summaries) or '–'} | "
                          + " | ".join(per_cluster)
-                         + f" | {_cell([s['mean_best_val_accuracy'] for _, s in summaries])} | {', '.join(engines)} | {walls} |")
+                         + f" | {_cell([s['mean_best_val_accuracy'] for _, s in summaries])}"
+                         + f" | {', '.join(map(str, collapsed)) or '–'} | {', '.join(engines)} | {walls} |")
             paper = PAPER[setting].get(method)
             if paper:
                 lines.append(f"| *paper* | | " + " | ".join("–" if v is None else f"{v:.2f}" for v in paper)
-                             + " | | | |")
+                             + " | | | | |")
     (results_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
