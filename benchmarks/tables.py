@@ -41,7 +41,9 @@ from typing import Any
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
 
 from fedcluster_flwr.checkpoints import checkpoint_round
-from fedcluster_flwr.config import apply_overrides, build_config, config_to_dict, load_config, parse_override
+from fedcluster_flwr.config import (
+    apply_overrides, build_config, config_to_dict, left_with_engine, load_config, parse_override,
+)
 from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.run_files import DamagedRunError, read_summary
@@ -162,17 +164,17 @@ def set_aside(run_dir: Path) -> Path:
 
 
 def execution_overrides(engine: str, workers: int | None) -> list[str]:
-    """The ``--set`` items that move a run onto ``engine``: the batched engine's own settings go
-    with it (a run started batched and resumed in-process keeps none of them)."""
-    if engine == "batched":
-        return ["simulation.engine=batched"] + ([f"simulation.batched_workers={workers}"] if workers else [])
-    return [f"simulation.engine={engine}", "simulation.batched_workers=null", "simulation.batched_memory_gb=null"]
+    """The ``--set`` items that move a run onto ``engine`` (a continuation drops the settings only
+    another engine takes by itself: :func:`fedcluster_flwr.config.left_with_engine`)."""
+    return [f"simulation.engine={engine}"] + ([f"simulation.batched_workers={workers}"] if engine == "batched" and workers else [])
 
 
 def with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> ExperimentConfig:
-    """``config`` on ``engine``, by :func:`execution_overrides` (checked as any override is)."""
-    moved = apply_overrides(config_to_dict(config), [parse_override(item) for item in execution_overrides(engine, workers)])
-    return build_config(moved)[0]
+    """``config`` on ``engine``, by :func:`execution_overrides`, less the settings only another
+    engine takes (checked as any override is)."""
+    items = [parse_override(item) for item in execution_overrides(engine, workers)]
+    left = left_with_engine(config.simulation, engine, (key for key, _ in items))
+    return build_config(apply_overrides(config_to_dict(config), items + left))[0]
 
 
 def recorded_attempts(run_dir: Path) -> list[dict[str, Any]]:

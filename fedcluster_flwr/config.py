@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from .config_file import parse_value, read_yaml
-from .config_sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, StrategyConfig
+from .config_sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, SimulationConfig, StrategyConfig
 from .cost import estimate_cost
 from .data.partition_options import group_count
 from .data.partitions import PARTITIONERS
 from .models import MODELS
 from .options_builder import check_in_experiment, from_mapping, to_plain
-from .schema import ConfigError, InRegistry, config_key, config_keys, describe, require, unknown_key_message
+from .schema import ConfigError, InRegistry, OnlyWith, config_key, config_keys, describe, require, unknown_key_message
 from .registry import strategies
 
 
@@ -64,6 +64,20 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -
             node = child
         node[parts[-1]] = value
     return merged
+
+
+def left_with_engine(simulation: SimulationConfig, engine: str, typed: Iterable[str] = ()) -> list[tuple[str, Any]]:
+    """The overrides (``None``) of the settings ``simulation`` holds that its declared rules let only
+    another engine than ``engine`` take (the batched engine's workers, Ray's cluster address):
+    what a run moved onto ``engine`` leaves behind. Keys in ``typed`` (the user set them) stay, so
+    that a contradiction the user typed is still reported."""
+    left = []
+    for rule in SimulationConfig.rules:
+        if (isinstance(rule, OnlyWith) and isinstance(rule.subject, str) and rule.condition.name == "engine"
+                and engine not in rule.condition.values and getattr(simulation, rule.subject) is not None
+                and f"simulation.{rule.subject}" not in set(typed)):
+            left.append((f"simulation.{rule.subject}", None))
+    return left
 
 
 def keys_set_in(section: str, overrides: Iterable[tuple[str, Any]]) -> set[str]:

@@ -42,14 +42,14 @@ from typing import Any, Protocol
 import yaml
 
 from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
-from .config import config_to_dict, load_config, parse_override
+from .config import config_to_dict, left_with_engine, load_config, parse_override
 from .config_sections import ExperimentConfig
 from .engines.simulation import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
 from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
 from .run_outcome import stop_message, what_was_kept
-from .schema import ConfigError, require
+from .schema import ConfigError, as_yaml, require
 from .tracking import check_tracking
 
 
@@ -333,7 +333,11 @@ def plan_continuation(
     # already done would otherwise surface as whichever option must fall within the rounds.
     require(rounds is None or rounds > done, "--rounds",
             f"{rounds} does not extend the run: its checkpoint is at round {done} (of {before.rounds}); pass --rounds N > {done}")
-    config, notes = _load_continued(run_dir / "config.yaml", parsed, rounds)
+    engine = dict(parsed).get("simulation.engine", before.simulation.engine)
+    left = left_with_engine(before.simulation, engine, (key for key, _ in parsed))
+    config, notes = _load_continued(run_dir / "config.yaml", parsed + left, rounds)
+    notes += [f"{key}: {as_yaml(getattr(before.simulation, key.split('.')[1]))} dropped (a setting of another engine; "
+              f"the run moves to simulation.engine {engine})" for key, _ in left]
     check_branch(before, config, state)
     if config.rounds <= done:
         raise ConfigError(

@@ -186,3 +186,28 @@ def test_a_client_whose_test_set_holds_one_label_is_never_called_collapsed():
     majority = {0: 0.5, 1: 1.0, 2: 0.2}
     assert no_better_than_majority({0: 0.5, 1: 1.0, 2: 0.9}, majority) == [0]
     assert no_better_than_majority({0: 0.51, 1: 0.0, 2: 0.2}, majority) == [2]
+
+
+def batched_run(run_dir):
+    """A stopped run made on the batched engine with two workers."""
+    base = finished_looking_run(run_dir)
+    raw = yaml.safe_load((base / "config.yaml").read_text())
+    raw["simulation"] |= {"engine": "batched", "batched_workers": 2}
+    (base / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return base
+
+
+def test_a_run_moved_to_another_engine_leaves_that_engines_settings_behind(tmp_path):
+    moved = runner.plan_continuation(batched_run(tmp_path / "base"), overrides=["simulation.engine=inprocess"])
+    assert (moved.config.simulation.engine, moved.config.simulation.batched_workers) == ("inprocess", None)
+    assert moved.notes == ("simulation.batched_workers: 2 dropped (a setting of another engine; the run moves to "
+                           "simulation.engine inprocess)",)
+    stays = runner.plan_continuation(tmp_path / "base", overrides=["simulation.batched_workers=1"])
+    assert (stays.config.simulation.engine, stays.config.simulation.batched_workers, stays.notes) == ("batched", 1, ())
+
+
+def test_an_engine_setting_the_user_typed_for_another_engine_is_still_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="simulation.batched_workers") as err:
+        runner.plan_continuation(batched_run(tmp_path / "base"),
+                                 overrides=["simulation.engine=inprocess", "simulation.batched_workers=3"])
+    assert "only engine batched takes batched_workers (engine is inprocess)" in str(err.value)
