@@ -397,6 +397,13 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
             assert set(client.peers) <= kept and len(client.peers) == min(3, len(kept))
             assert MERGE_LOWEST_KEY not in client.config  # every drawn peer is merged
     assert json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["phase"] == "pens_gossip"
+    summary = strategy.summary()
+    assert summary["neighbour_sets"] == [np.flatnonzero(row).tolist() for row in expected > 1 / N * 3]
+    for cluster in np.unique(TRUE):
+        kept = (expected > 1 / N * 3)[TRUE == cluster]
+        assert summary["neighbour_set_same_true_cluster"][str(cluster)] == kept[:, TRUE == cluster].sum() / kept.sum()
+    # of 3 peers drawn from 5 of its own cluster and 2 others, a cluster-0 client always meets its own
+    assert summary["neighbour_set_same_true_cluster"]["0"] == 1.0
 
 
 def test_pens_selection_candidates_draws_more_peers_while_selecting_and_num_neighbours_after(tmp_path):

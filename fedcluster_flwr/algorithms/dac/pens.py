@@ -103,6 +103,21 @@ class PENS(Gossip):
         sizes = self.neighbour_sets.sum(axis=1)
         return super().round_metrics(server_round) | {"mean_neighbour_set": float(sizes.mean())}
 
+    def summary(self) -> dict[str, Any]:
+        """Whom each client gossips with after the selection (``neighbour_sets``: partition ids per
+        client) and, per true cluster, the share of its members' kept peers that are of the same
+        true cluster: how well the loss-based selection found each client's own cluster."""
+        true = self.setup.true_clusters
+        same = {}
+        for cluster in np.unique(true):
+            kept = self.neighbour_sets[true == cluster]
+            if kept.any():
+                same[str(int(cluster))] = float(kept[:, true == cluster].sum() / kept.sum())
+        return super().summary() | {
+            "neighbour_sets": [np.flatnonzero(row).tolist() for row in self.neighbour_sets],
+            "neighbour_set_same_true_cluster": same,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {"kept_counts": self.kept_counts, "neighbour_sets": self.neighbour_sets}
 
