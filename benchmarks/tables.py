@@ -42,7 +42,7 @@ os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in
 
 from fedcluster_flwr.checkpoints import checkpoint_round
 from fedcluster_flwr.config import (
-    apply_overrides, build_config, config_to_dict, left_with_engine, load_config, parse_override,
+    apply_overrides, build_config, config_differences, config_to_dict, left_with_engine, load_config, parse_override,
 )
 from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
@@ -89,21 +89,6 @@ def run_state(run_dir: Path) -> str:
     return "new"
 
 
-def experiment_settings(config: ExperimentConfig) -> dict[str, Any]:
-    """A config as dotted keys, ``simulation`` (how rounds execute, not what they compute) left out."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), item)
-        else:
-            flat[prefix] = value
-
-    walk("", {k: v for k, v in config_to_dict(config).items() if k != "simulation"})
-    return flat
-
-
 class StaleCopyError(RuntimeError):
     """The results folder holds a finished copy of a run made with another config."""
 
@@ -117,12 +102,11 @@ def kept_copy(run: TableRun, results_dir: Path) -> Path | None:
     except (DamagedRunError, FileNotFoundError, OSError):
         return None
     made_with, _ = load_config(copy / "config.yaml", [])
-    before, now = experiment_settings(made_with), experiment_settings(run.config)
-    differ = sorted(key for key in before.keys() | now.keys() if before.get(key) != now.get(key))
-    if differ == ["rounds"]:  # a longer copy holds the rounds asked for; a shorter one is run again, longer
-        return copy if before["rounds"] > now["rounds"] else None
+    differ = config_differences(config_to_dict(made_with), config_to_dict(run.config), ("simulation",))
+    if [key for key, _, _ in differ] == ["rounds"]:  # a longer copy holds the rounds asked for; a shorter one is run again
+        return copy if differ[0][1] > differ[0][2] else None
     if differ:
-        shown = "; ".join(f"{key}: {before.get(key)!r} there, {now.get(key)!r} now" for key in differ[:5])
+        shown = "; ".join(f"{key}: {there!r} there, {now!r} now" for key, there, now in differ[:5])
         raise StaleCopyError(
             f"{copy} holds a finished {run.name} made with another config ({shown}"
             f"{f'; {len(differ) - 5} more' if len(differ) > 5 else ''}): move it aside to run it again, "
@@ -173,7 +157,7 @@ def with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> E
     """``config`` on ``engine``, by :func:`execution_overrides`, less the settings only another
     engine takes (checked as any override is)."""
     items = [parse_override(item) for item in execution_overrides(engine, workers)]
-    left = left_with_engine(config.simulation, engine, (key for key, _ in items))
+    left, _ = left_with_engine(config.simulation, engine, (key for key, _ in items))
     return build_config(apply_overrides(config_to_dict(config), items + left))[0]
 
 

@@ -18,7 +18,6 @@ of it left running.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from typing import Any
 import yaml
 
 from . import runner
-from .config import ConfigWarning, config_to_dict, keys_set_in, load_config, parse_override
+from .config import ConfigWarning, config_differences, config_to_dict, keys_set_in, load_config, parse_override
 from .config_sections import ExperimentConfig
 from .cost import estimate_cost
 from .data import DataError
@@ -182,11 +181,10 @@ def _compare_one(config: ExperimentConfig, run_dir: Path, args: argparse.Namespa
     earlier, _ = load_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else (None, [])
     # how the rounds execute may differ (a stopped comparison finished on another engine), not what they compute
     execution = {key: lookup(config, key) for key in runner.EXECUTION_KEYS}
-    changed = None if earlier is None else runner.first_difference(
-        without_keys(config_to_dict(earlier), runner.EXECUTION_KEYS),
-        without_keys(config_to_dict(config), runner.EXECUTION_KEYS), "")
-    if earlier is None or changed is not None:
-        what = "no config.yaml" if earlier is None else f"a run whose {changed.lstrip('.')} differs from this comparison's"
+    changed = [] if earlier is None else config_differences(
+        config_to_dict(earlier), config_to_dict(config), runner.EXECUTION_KEYS)
+    if earlier is None or changed:
+        what = "no config.yaml" if earlier is None else f"a run whose {changed[0][0]} differs from this comparison's"
         raise ConfigError("--out", f"{run_dir} holds {what}: give a new --out, or the options of the comparison it holds")
     summary = read_summary(run_dir)
     if summary.get("finished") is True:
@@ -195,18 +193,6 @@ def _compare_one(config: ExperimentConfig, run_dir: Path, args: argparse.Namespa
     moved = [f"{key}={json.dumps(value)}" for key, value in execution.items() if lookup(earlier, key) != value]
     continuation = runner.plan_continuation(run_dir, overrides=moved)  # refuses a run stopped before its first checkpoint
     return runner.continue_run(continuation, progress=progress, verbose=args.verbose)
-
-
-def without_keys(tree: dict[str, Any], dotted_keys: Sequence[str]) -> dict[str, Any]:
-    """A copy of a config tree without the values at ``dotted_keys``."""
-    tree = copy.deepcopy(tree)
-    for dotted in dotted_keys:
-        *path, last = dotted.split(".")
-        node = tree
-        for part in path:
-            node = node.get(part, {})
-        node.pop(last, None)
-    return tree
 
 
 def comparison_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:

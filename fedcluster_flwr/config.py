@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from .data.partition_options import group_count
 from .data.partitions import PARTITIONERS
 from .models import MODELS
 from .options_builder import check_in_experiment, from_mapping, to_plain
-from .schema import ConfigError, InRegistry, OnlyWith, config_key, config_keys, describe, require, unknown_key_message
+from .schema import ConfigError, InRegistry, OnlyWith, as_yaml, config_key, config_keys, describe, require, unknown_key_message
 from .registry import strategies
 
 
@@ -66,18 +66,35 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -
     return merged
 
 
-def left_with_engine(simulation: SimulationConfig, engine: str, typed: Iterable[str] = ()) -> list[tuple[str, Any]]:
+def config_differences(
+    before: Any, after: Any, ignore: Collection[str] = (), key: str = ""
+) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, before, after)`` of every value that differs between two resolved config trees
+    (:func:`config_to_dict`'s), in key order, leaving out the dotted keys in ``ignore``."""
+    if key in ignore:
+        return []
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [found for name in sorted(set(before) | set(after))
+                for found in config_differences(before.get(name), after.get(name), ignore, f"{key}.{name}" if key else name)]
+    return [] if before == after else [(key, before, after)]
+
+
+def left_with_engine(
+    simulation: SimulationConfig, engine: str, typed: Iterable[str] = ()
+) -> tuple[list[tuple[str, Any]], list[str]]:
     """The overrides (``None``) of the settings ``simulation`` holds that its declared rules let only
-    another engine than ``engine`` take (the batched engine's workers, Ray's cluster address):
-    what a run moved onto ``engine`` leaves behind. Keys in ``typed`` (the user set them) stay, so
-    that a contradiction the user typed is still reported."""
-    left = []
+    another engine than ``engine`` take (the batched engine's workers, Ray's cluster address), and
+    a note for each: what a run moved onto ``engine`` leaves behind. Keys in ``typed`` (the user
+    set them) stay, so that a contradiction the user typed is still reported."""
+    left, notes = [], []
     for rule in SimulationConfig.rules:
         if (isinstance(rule, OnlyWith) and isinstance(rule.subject, str) and rule.condition.name == "engine"
                 and engine not in rule.condition.values and getattr(simulation, rule.subject) is not None
                 and f"simulation.{rule.subject}" not in set(typed)):
             left.append((f"simulation.{rule.subject}", None))
-    return left
+            notes.append(f"simulation.{rule.subject}: {as_yaml(getattr(simulation, rule.subject))} dropped (a setting "
+                         f"of another engine; the run moves to simulation.engine {engine})")
+    return left, notes
 
 
 def keys_set_in(section: str, overrides: Iterable[tuple[str, Any]]) -> set[str]:

@@ -42,14 +42,14 @@ from typing import Any, Protocol
 import yaml
 
 from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
-from .config import config_to_dict, left_with_engine, load_config, parse_override
+from .config import config_differences, config_to_dict, left_with_engine, load_config, parse_override
 from .config_sections import ExperimentConfig
 from .engines.simulation import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
 from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
 from .run_outcome import stop_message, what_was_kept
-from .schema import ConfigError, as_yaml, require
+from .schema import ConfigError, require
 from .tracking import check_tracking
 
 
@@ -334,10 +334,9 @@ def plan_continuation(
     require(rounds is None or rounds > done, "--rounds",
             f"{rounds} does not extend the run: its checkpoint is at round {done} (of {before.rounds}); pass --rounds N > {done}")
     engine = dict(parsed).get("simulation.engine", before.simulation.engine)
-    left = left_with_engine(before.simulation, engine, (key for key, _ in parsed))
+    left, dropped = left_with_engine(before.simulation, engine, (key for key, _ in parsed))
     config, notes = _load_continued(run_dir / "config.yaml", parsed + left, rounds)
-    notes += [f"{key}: {as_yaml(getattr(before.simulation, key.split('.')[1]))} dropped (a setting of another engine; "
-              f"the run moves to simulation.engine {engine})" for key, _ in left]
+    notes += dropped
     check_branch(before, config, state)
     if config.rounds <= done:
         raise ConfigError(
@@ -418,17 +417,6 @@ def check_checkpoint_fits(config: ExperimentConfig, state: dict[str, Any], run_d
 BRANCH_FIXED = ("dataset", "partition", "model", "client", "seed")
 
 
-def first_difference(before: Any, after: Any, key: str) -> str | None:
-    """The dotted key of the first value that differs between two resolved config trees."""
-    if isinstance(before, dict) and isinstance(after, dict):
-        for name in sorted(set(before) | set(after)):
-            found = first_difference(before.get(name), after.get(name), f"{key}.{name}")
-            if found:
-                return found
-        return None
-    return None if before == after else key
-
-
 def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[str, Any]) -> None:
     """Refuse a branch that changes what produced the checkpoint: the experiment (data, model,
     training, seed), the strategy, or a strategy option the run already acted on."""
@@ -436,7 +424,7 @@ def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[
 
     old, new = config_to_dict(before), config_to_dict(after)
     for section in BRANCH_FIXED:
-        changed = first_difference(old[section], new[section], section)
+        changed = next((key for key, _, _ in config_differences(old[section], new[section], key=section)), None)
         require(
             changed is None,
             changed or section,

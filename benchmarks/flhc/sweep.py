@@ -53,7 +53,7 @@ from tables import (  # noqa: E402
 
 from fedcluster_flwr.checkpoints import checkpoint_round  # noqa: E402
 from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noqa: E402
-from fedcluster_flwr.config import config_to_dict, load_config, parse_override  # noqa: E402
+from fedcluster_flwr.config import config_differences, config_to_dict, load_config, parse_override  # noqa: E402
 from fedcluster_flwr.config_sections import ExperimentConfig  # noqa: E402
 from fedcluster_flwr.schema import ConfigError  # noqa: E402
 from fedcluster_flwr.run_files import read_rounds  # noqa: E402
@@ -70,15 +70,10 @@ def run_base(config: ExperimentConfig, runs_root: Path, shared_rounds: int, engi
     done = checkpoint_round(base)
     if done is not None:
         made_with, _ = load_config(base / "config.yaml", [])
-
-        def experiment(c: ExperimentConfig) -> dict[str, Any]:
-            return {k: v for k, v in config_to_dict(c).items() if k != "simulation"}
-
-        if experiment(made_with) != experiment(config) or done > shared_rounds:
-            raise SystemExit(
-                f"{base} was made with another config or has gone past round {shared_rounds}; give the sweep "
-                f"another --runs-dir (or delete {base} and every branch beside it)"
-            )
+        changed = [key for key, _, _ in config_differences(config_to_dict(made_with), config_to_dict(config), ("simulation",))]
+        if changed or done > shared_rounds:
+            why = f"was made with another {', '.join(changed)}" if changed else f"is at round {done}, past {shared_rounds}"
+            raise SystemExit(f"{base} {why}; give the sweep another --runs-dir (or delete {base} and every branch beside it)")
         if done == shared_rounds:
             return base
     elif base.exists():
