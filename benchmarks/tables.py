@@ -47,6 +47,7 @@ from fedcluster_flwr.config import (
 from fedcluster_flwr.config_sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.run_files import DamagedRunError, read_summary
+from fedcluster_flwr.schema import ConfigError
 
 # What the repository keeps of a run (branch.json: the run a branch continued, and what it changed).
 SMALL_FILES = ("summary.json", "rounds.jsonl", "config.yaml", "machine.json", "branch.json")
@@ -101,7 +102,10 @@ def kept_copy(run: TableRun, results_dir: Path) -> Path | None:
             return None
     except (DamagedRunError, FileNotFoundError, OSError):
         return None
-    made_with, _ = load_config(copy / "config.yaml", [])
+    try:
+        made_with, _ = load_config(copy / "config.yaml", [])
+    except ConfigError as err:  # e.g. made by a version of the project with keys it no longer has
+        raise StaleCopyError(f"{copy}/config.yaml no longer loads ({err}): move it aside to run it again") from None
     differ = config_differences(config_to_dict(made_with), config_to_dict(run.config), ("simulation",))
     if [key for key, _, _ in differ] == ["rounds"]:  # a longer copy holds the rounds asked for; a shorter one is run again
         return copy if differ[0][1] > differ[0][2] else None
@@ -157,7 +161,7 @@ def with_engine(config: ExperimentConfig, engine: str, workers: int | None) -> E
     """``config`` on ``engine``, by :func:`execution_overrides`, less the settings only another
     engine takes (checked as any override is)."""
     items = [parse_override(item) for item in execution_overrides(engine, workers)]
-    left, _ = left_with_engine(config.simulation, engine, (key for key, _ in items))
+    left, _ = left_with_engine(config.simulation, items)
     return build_config(apply_overrides(config_to_dict(config), items + left))[0]
 
 

@@ -80,17 +80,19 @@ def config_differences(
 
 
 def left_with_engine(
-    simulation: SimulationConfig, engine: str, typed: Iterable[str] = ()
+    simulation: SimulationConfig, overrides: Sequence[tuple[str, Any]]
 ) -> tuple[list[tuple[str, Any]], list[str]]:
     """The overrides (``None``) of the settings ``simulation`` holds that its declared rules let only
-    another engine than ``engine`` take (the batched engine's workers, Ray's cluster address), and
-    a note for each: what a run moved onto ``engine`` leaves behind. Keys in ``typed`` (the user
-    set them) stay, so that a contradiction the user typed is still reported."""
+    another engine take than the one ``overrides`` move it to (the batched engine's workers, Ray's
+    cluster address), and a note for each: what the moved run leaves behind. A setting the
+    overrides set themselves stays, so that a contradiction the user typed is still reported."""
+    engine = apply_overrides({"simulation": {"engine": simulation.engine}}, overrides)["simulation"].get("engine")
+    typed = keys_set_in("simulation", overrides)
     left, notes = [], []
     for rule in SimulationConfig.rules:
         if (isinstance(rule, OnlyWith) and isinstance(rule.subject, str) and rule.condition.name == "engine"
                 and engine not in rule.condition.values and getattr(simulation, rule.subject) is not None
-                and f"simulation.{rule.subject}" not in set(typed)):
+                and rule.subject not in typed):
             left.append((f"simulation.{rule.subject}", None))
             notes.append(f"simulation.{rule.subject}: {as_yaml(getattr(simulation, rule.subject))} dropped (a setting "
                          f"of another engine; the run moves to simulation.engine {engine})")

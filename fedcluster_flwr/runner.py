@@ -333,8 +333,7 @@ def plan_continuation(
     # already done would otherwise surface as whichever option must fall within the rounds.
     require(rounds is None or rounds > done, "--rounds",
             f"{rounds} does not extend the run: its checkpoint is at round {done} (of {before.rounds}); pass --rounds N > {done}")
-    engine = dict(parsed).get("simulation.engine", before.simulation.engine)
-    left, dropped = left_with_engine(before.simulation, engine, (key for key, _ in parsed))
+    left, dropped = left_with_engine(before.simulation, parsed)
     config, notes = _load_continued(run_dir / "config.yaml", parsed + left, rounds)
     notes += dropped
     check_branch(before, config, state)

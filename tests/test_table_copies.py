@@ -66,6 +66,14 @@ def test_a_copy_made_with_another_config_stops_the_table_naming_the_key(tmp_path
         advance([run], runs_root=tmp_path / "runs", results_dir=results, engine="inprocess", log=lambda _: None)
 
 
+def test_a_copy_whose_config_no_longer_loads_stops_the_table_naming_the_file(tmp_path, monkeypatch):
+    run, results = table_run(), tmp_path / "results"
+    commit_copy(results, run, client={"lr": 0.1, "retired_option": 1})
+    monkeypatch.setattr("tables.run_experiment", must_not_run)
+    with pytest.raises(StaleCopyError, match=r"fedavg_seed0/config.yaml no longer loads \(client.retired_option"):
+        advance([run], runs_root=tmp_path / "runs", results_dir=results, engine="inprocess", log=lambda _: None)
+
+
 def test_a_shorter_copy_is_run_again_longer_and_a_longer_one_is_kept(tmp_path, monkeypatch):
     results = tmp_path / "results"
     commit_copy(results, table_run("rounds=2"))
