@@ -19,7 +19,7 @@ os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 import numpy as np  # noqa: E402
 
 from fedcluster_flwr.config_sections import ExperimentConfig  # noqa: E402
-from fedcluster_flwr.engines.inprocess import run_in_process  # noqa: E402
+from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
 from fedcluster_flwr.runner import run_experiment  # noqa: E402
 
 

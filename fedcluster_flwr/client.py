@@ -1,9 +1,10 @@
-"""ClusterClient: the NumPyClient every strategy talks to, and the handlers of the two tasks every
-algorithm uses.
+"""ClusterClient: one client's data, model factory and local compute, and the handlers of the two
+tasks every algorithm uses.
 
-The client unpacks an instruction with the codec of :mod:`fedcluster_flwr.protocol`, looks
-up the handler registered for its task and packs the handler's reply in the order the task
-declares. Handlers here:
+The ClientApp (:mod:`fedcluster_flwr.apps.client_app`) reads an instruction off its message with
+the task's codec (:mod:`fedcluster_flwr.protocol`), hands it to the client's :meth:`ClusterClient.run`,
+which runs the handler registered for the task, and writes the handler's reply back as records.
+Handlers here:
 
 * ``train``: load the one model received, train it locally (``client.epochs``, or the
   instruction's ``epochs``, e.g. a gossip client's pretraining) on the instruction's local
@@ -12,8 +13,7 @@ declares. Handlers here:
   split, where it holds one).
 
 The handlers of each algorithm family's own tasks are in that family's package
-(:mod:`fedcluster_flwr.algorithms`); a client that receives a task it has no handler for yet loads the
-families (:func:`fedcluster_flwr.registry.handler`). A new task's handler is a function
+(:mod:`fedcluster_flwr.algorithms`). A new task's handler is a function
 ``(client, TaskInput) -> TaskOutput`` registered with ``@handles(SOME_TASK)``
 (:func:`fedcluster_flwr.registry.handles`).
 """
@@ -25,13 +25,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-from flwr.client import NumPyClient
-from flwr.common import NDArrays, Scalar
 from torch import nn
 
 from . import protocol, registry
-from .protocol import ACCURACY, EPOCHS_KEY, EVALUATE, MODEL, MODELS, OBJECTIVE_KEY, TRAIN, TRAIN_LOSS, VAL_LOSS, Task
+from .protocol import ACCURACY, EPOCHS_KEY, EVALUATE, MODEL, OBJECTIVE_KEY, TEST_LOSS, TRAIN, TRAIN_LOSS, VAL_LOSS, Task, TaskInput
 from .training import PLAIN, LocalCompute, Objective, TrainSettings, get_weights, set_weights
+from .types import NDArrays, Scalar
 
 
 class SimulatedClientFailure(RuntimeError):
@@ -71,22 +70,13 @@ class ClientData:
 
 
 @dataclass(frozen=True)
-class TaskInput:
-    """An unpacked instruction: the round, the named blocks and the config scalars."""
-
-    server_round: int
-    blocks: Mapping[str, list[NDArrays]]
-    config: Mapping[str, Scalar]
-
-
-@dataclass(frozen=True)
 class TaskOutput:
-    """A handler's reply: named arrays, the examples it used, metrics (and a loss for evaluate)."""
+    """A handler's reply: named arrays (one entry per block its task replies with), the examples it
+    used, and metrics."""
 
     blocks: Mapping[str, NDArrays]
     num_examples: int
     metrics: Mapping[str, Scalar] = field(default_factory=dict)
-    loss: float = float("nan")
 
 
 def round_seed(seed: int, server_round: int, pid: int, *stream: int) -> int:
@@ -95,7 +85,7 @@ def round_seed(seed: int, server_round: int, pid: int, *stream: int) -> int:
     return int(np.random.SeedSequence([seed, server_round, pid, *stream]).generate_state(1)[0])
 
 
-class ClusterClient(NumPyClient):
+class ClusterClient:
     """Local training and evaluation on one partition; the work itself is in the task handlers."""
 
     def __init__(
@@ -121,36 +111,41 @@ class ClusterClient(NumPyClient):
         self.fail_rounds = fail_rounds
         self.faults = faults
         self.compute = compute  # how its torch work runs: alone, or with the round's others (batched engine)
+        self._parameter_names: list[str] | None = None
 
-    def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
-        return {protocol.PARTITION_ID: self.pid, protocol.NUM_PARTITIONS: self.num_partitions}
+    def identity(self) -> dict[str, int]:
+        """What the client tells the server about itself (task ``identify``)."""
+        return {protocol.PARTITION_ID: self.pid, protocol.NUM_PARTITIONS: self.num_partitions, protocol.OWN_DATA: 0}
 
-    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        _, server_round, _ = protocol.instruction_header(config)  # a malformed instruction: one line naming the key
+    @property
+    def parameter_names(self) -> list[str]:
+        """The model's ``state_dict`` keys: the names a model's arrays travel under."""
+        if self._parameter_names is None:
+            with torch.device("meta"):
+                self._parameter_names = list(self.model_factory().state_dict())
+        return self._parameter_names
+
+    def run(self, task: Task, inputs: TaskInput) -> TaskOutput:
+        """Run ``task``'s registered handler on ``inputs``. Every task but ``evaluate`` may fail on purpose
+        (``simulation.fail_fit``, ``faults.drop_rate``) or reply a diverged model (``faults.nan_rate``)."""
+        found = registry.handler(task.name)
+        if found is None:
+            raise protocol.ProtocolError(f"task {task.name!r} is unknown; this client handles {', '.join(registry.HANDLERS)}")
+        _, handler = found
+        if task is EVALUATE:
+            return handler(self, inputs)
+        server_round = inputs.server_round
         if server_round in self.fail_rounds:
             raise SimulatedClientFailure(f"client {self.pid} fails in round {server_round} (simulation.fail_fit)")
         fault = self.faults.draw(server_round, self.pid)
         if fault == "drop":
             raise SimulatedClientFailure(f"client {self.pid} drops out of round {server_round} (faults.drop_rate)")
-        task, output = self._run(parameters, config)
-        reply = task.pack_reply(output.blocks)
+        output = handler(self, inputs)
         if fault == "nan":  # a diverged client: the server's reply checks must refuse it
-            reply = [np.full_like(a, np.nan) if a.dtype.kind == "f" else a for a in reply]
-        return reply, output.num_examples, dict(output.metrics)
-
-    def evaluate(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[float, int, dict[str, Scalar]]:
-        _, output = self._run(parameters, config)
-        return output.loss, output.num_examples, dict(output.metrics)
-
-    def _run(self, parameters: NDArrays, config: Mapping[str, Scalar]) -> tuple[Task, TaskOutput]:
-        name, server_round, layout = protocol.instruction_header(config)
-        found = registry.handler(name)
-        if found is None:
-            raise protocol.ProtocolError(f"task {name!r} is unknown; this client handles {', '.join(registry.HANDLERS)}")
-        task, handler = found
-        blocks = protocol.unpack(parameters, layout)
-        task.check_instruction(blocks, config)
-        return task, handler(self, TaskInput(server_round, blocks, config))
+            poisoned = {name: [np.full_like(a, np.nan) if a.dtype.kind == "f" else a for a in arrays]
+                        for name, arrays in output.blocks.items()}
+            output = replace(output, blocks=poisoned)
+        return output
 
     # ---- what handlers share ----------------------------------------------------------------
 
@@ -206,7 +201,7 @@ def local_objective(config: Mapping[str, Scalar]) -> Objective:
 
 @registry.handles(TRAIN)
 def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
-    (arrays,) = inputs.blocks[MODELS]
+    (arrays,) = inputs.blocks[MODEL]
     model = client.load_model(arrays)
     epochs = inputs.config.get(EPOCHS_KEY)
     objective = local_objective(inputs.config)
@@ -217,12 +212,12 @@ def train_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput
 @registry.handles(EVALUATE)
 def evaluate_received_model(client: ClusterClient, inputs: TaskInput) -> TaskOutput:
     """Test loss and accuracy; with a validation split, also the validation loss."""
-    (arrays,) = inputs.blocks[MODELS]
+    (arrays,) = inputs.blocks[MODEL]
     model = client.load_model(arrays)
     data = client.data
     loss, accuracy = client.evaluate_model(model, data.x_test, data.y_test)
-    metrics: dict[str, Scalar] = {ACCURACY: accuracy}
+    metrics: dict[str, Scalar] = {ACCURACY: accuracy, TEST_LOSS: loss}
     if data.x_val is not None and data.y_val is not None and len(data.y_val):
         metrics[VAL_LOSS] = client.evaluate_model(model, data.x_val, data.y_val)[0]
-    return TaskOutput({}, len(data.y_test), metrics, loss=loss)
+    return TaskOutput({}, len(data.y_test), metrics)
 

@@ -1,4 +1,4 @@
-"""What the ServerApp, the ClientApp and the CLI share: config -> data, partition, strategy, client.
+"""What the ServerApp, the ClientApp and the CLI share: config -> data, partition, model, client.
 
 Under ``flwr run`` both apps rebuild the experiment config from the run config
 (``config`` names the YAML; the other keys and ``set`` are overrides). Under
@@ -15,23 +15,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.server import ServerAppComponents, ServerConfig
 
-from .checkpoints import load_checkpoint
 from .client import ClientData, ClusterClient, Faults
-from .config import config_to_dict, load_config, parse_override
+from .config import load_config, parse_override
 from .config_sections import ExperimentConfig
-from .data import DatasetPool, Partition, cluster_names, make_partition
+from .data import DatasetPool, Partition, make_partition
 from .data.sources import dataset_pool
-from .models import build_model, parameter_names
-from .numerics import numeric_platform, pin_portable_numerics
-from .recorder import RunRecorder
-from .run_files import RoundRow
+from .models import build_model
+from .numerics import pin_portable_numerics
 from .schema import ConfigError
-from .algorithms.base import StrategySetup
-from .registry import strategies, strategy_class
-from .algorithms.base.directory import Federation
-from .round_log import RoundLog, resume as resume_strategy
+from .registry import strategies
 from .training import TrainSettings, get_weights, use_deterministic_kernels
 
 APP_ROOT = Path(__file__).resolve().parent.parent  # the project root (or the installed FAB)
@@ -174,55 +167,6 @@ def strategy_phase_words() -> dict[str, str]:
         if cls.round_word != "rounds":
             words[name] = f"{name} {cls.round_word}"
     return words
-
-
-def server_components(
-    config: ExperimentConfig,
-    run_dir: Path,
-    on_round: Callable[[RoundRow], None] | None = None,
-    resume: bool = False,
-    stop_after: int | None = None,
-    make_strategy: Callable[[StrategySetup], Any] | None = None,
-) -> ServerAppComponents:
-    """Strategy (from the registry, or ``make_strategy``'s from the experiment's setup) and server
-    config for one run writing to ``run_dir``; with ``resume``, continue the run there from its
-    checkpoint; with ``stop_after``, stop (checkpointed) after that round, leaving the run to be
-    resumed or branched."""
-    use_configured_numerics(config)
-    pool, partition = experiment_data(config)
-    resolved = config_to_dict(config)
-    recorder = RunRecorder(run_dir, on_round, resolved, phase_words=strategy_phase_words())
-    if not resume:
-        recorder.start(resolved)
-    model = initial_model(config)
-    setup = StrategySetup(
-        initial_weights=get_weights(model),
-        parameter_names=parameter_names(model),
-        init_weights=functools.partial(seeded_weights, config),
-        input_shape=config.input_shape,
-        num_clients=config.partition.num_clients,
-        true_clusters=partition.true_clusters,
-        train_sizes=[len(idx) for idx in partition.train_indices],
-        rounds=config.rounds,
-        seed=config.seed,
-        cluster_names=cluster_names(config.partition.options, int(partition.true_clusters.max(initial=0)) + 1),
-    )
-    if make_strategy is None:
-        strategy = strategy_class(config.strategy.name)(config.strategy.options, setup)
-    else:
-        strategy = make_strategy(setup)
-    log = RoundLog(
-        recorder, partition.true_clusters, config.target_accuracy, config.rounds, config.checkpoint_every,
-        stop_round=stop_after, numeric_platform=numeric_platform(), title=run_title(config),
-        majority_accuracy=majority_accuracy(pool.labels, partition),
-    )
-    federation = Federation(join_round=config.simulation.join_round, timeout_s=config.simulation.round_timeout_s)
-    strategy.connect(federation, log)
-    if resume:
-        resume_strategy(strategy, log, load_checkpoint(run_dir))
-    remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
-    server_config = ServerConfig(num_rounds=remaining, round_timeout=config.simulation.round_timeout_s)
-    return ServerAppComponents(strategy=strategy, config=server_config)
 
 
 def majority_accuracy(labels: np.ndarray, partition: Partition) -> dict[int, float]:

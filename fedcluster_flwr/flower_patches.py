@@ -1,5 +1,5 @@
 """A speed-up of Flower's simulation engine that changes none of its results, installed by
-:func:`fedcluster_flwr.engines.simulation.simulate` (``fedcluster run``).
+:func:`fedcluster_flwr.engine_process.simulate` (``fedcluster run``).
 
 Flower's Ray engine (``flwr.server.superlink.fleet.vce.vce_api``, flwr 1.41) hands messages to its
 actors from a thread that, every 0.1 s, asks the link state for one waiting message *per node*;

@@ -1,24 +1,35 @@
-"""The wire protocol between the strategies and ClusterClient, declared once for both sides.
+"""The wire protocol between the strategies and the ClientApp, declared once for both sides, over
+Flower's records.
 
-Each round a strategy sends every chosen client an *instruction*: a task, named blocks of
-arrays and a few scalars. Flower carries one flat list of arrays and one flat config of
-scalars per client, so the codec packs the blocks one after another into the list and writes
-their layout into the config (``layout``: ``models=3x8,directions=3x8``, i.e. block name,
-items, arrays per item); the other side unpacks by that layout. A reply is packed the same
-way, in the order its task declares. Every reply is checked against its task's schema
-(which blocks, of which shapes given the instruction; which metrics, with which checks)
-before any of its arrays touches a model.
+Each round a strategy sends every chosen client an *instruction*: a Flower ``Message`` whose type
+names the task (``train`` and ``evaluate`` for the two tasks every algorithm uses, ``train.<task>``
+or ``query.<task>`` for a family's own), whose content holds named blocks of arrays as
+``ArrayRecord``s and the task's scalars in the ``ConfigRecord`` ``config`` (with ``server-round``).
+A block of one item travels as one ``ArrayRecord`` named after the block, a block of several items
+as one ``ArrayRecord`` per item, ``<block>.<k>``; a model's arrays are named by the model's
+``state_dict`` keys, other arrays by their index. The reply carries one ``ArrayRecord`` per block
+its task declares, named after it, and the ``MetricRecord`` ``metrics`` with ``num-examples`` and
+the task's metrics. The one model of ``train`` and ``evaluate`` is the record ``arrays``, the
+weighting key is ``num-examples`` and the round is ``server-round``, as in Flower's own strategies,
+so Flower's stock ``FedAvg`` can drive those two tasks of our ClientApp.
 
-The two tasks every algorithm uses:
+Every reply is checked against its task's schema (which records, of which shapes given the
+instruction; which metrics, with which checks; every metric a finite number unless the task says
+it may not be) before any of its arrays touches a model.
+
+The three tasks every run uses:
 
 =================  ===================================  ==================================  ===========================
 task               sends                                reply arrays                        reply metrics
 =================  ===================================  ==================================  ===========================
-``train``          ``models`` (1), ``epochs``           ``model``                           ``train_loss``
+``train``          ``arrays`` (the model), ``epochs``   ``arrays`` (the model, trained)     ``train_loss``
                    (optional), ``objective``
                    (optional) and its scalars
-``evaluate``       ``models`` (1)                       –                                   ``accuracy`` in [0, 1]
-                                                                                             (+ finite ``val_loss``)
+``evaluate``       ``arrays`` (the model)               –                                   ``accuracy`` in [0, 1],
+                                                                                             ``test_loss`` (+ ``val_loss``)
+``identify``       –                                    –                                   ``partition_id``,
+(query)                                                                                      ``num_partitions`` (+ a
+                                                                                             device's own facts)
 =================  ===================================  ==================================  ===========================
 
 Each algorithm family's own tasks are declared, with their keys, reply schema and client
@@ -27,8 +38,8 @@ handlers, in its package of :mod:`fedcluster_flwr.algorithms`: ``train_select`` 
 :mod:`~fedcluster_flwr.algorithms.oneshot.tasks`, ``gossip_train`` in :mod:`~fedcluster_flwr.algorithms.dac.tasks`.
 
 Task names, block names and the config and metric keys appear nowhere else as literals:
-the client looks its handlers up by these :class:`Task` objects, the strategies build
-:class:`~fedcluster_flwr.algorithms.base.strategy.Instruction` objects from them.
+the ClientApp registers its handlers under these :class:`Task` objects' message types, the
+strategies build :class:`~fedcluster_flwr.algorithms.base.messages.Instruction` objects from them.
 """
 
 from __future__ import annotations
@@ -40,39 +51,48 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.common import NDArrays, Parameters, Scalar, bytes_to_ndarray, ndarray_to_bytes
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from .types import NDArrays, Scalar
 
 # ---- keys ---------------------------------------------------------------------------------
 
+# Records of a message's content.
+CONFIG = "config"  # an instruction's scalars (Flower's FedAvg: configrecord_key)
+METRICS = "metrics"  # a reply's metrics
+
 # Instruction config.
-TASK_KEY = "task"
-ROUND_KEY = "round"
-LAYOUT_KEY = "layout"
+ROUND_KEY = "server-round"  # the round, as Flower's strategies send it (it steers the client's randomness)
 EPOCHS_KEY = "epochs"  # train (optional): local epochs instead of the client's own (client.epochs), e.g. pretraining
 # train (optional): the local objectives to train on, comma-separated registered names (registry.objective),
 # e.g. "proximal"; each objective's own scalars (e.g. "mu") travel beside it
 OBJECTIVE_KEY = "objective"
 
-# Properties a client reports once (``get_properties``), so the server learns who it is.
+# What a client tells about itself once (task ``identify``), so the server learns who it is.
 PARTITION_ID = "partition_id"
 NUM_PARTITIONS = "num_partitions"
-# ... and, from a device on its own data (data.device): these, and its true cluster where it knows it.
-DATA_SOURCE = "data_source"
-DATA_SOURCE_FOLDER = "data-dir"
+# ... and, from a device on its own data (data.device): that flag, and the facts it knows.
+OWN_DATA = "own_data"  # 1 for a device on its own data folder (data-dir), 0 for a partition of the experiment
 TRAIN_EXAMPLES = "train_examples"
-TRUE_CLUSTER = "true_cluster"
+TRUE_CLUSTER = "true_cluster"  # -1 where the device does not know it
 
 # Reply metrics.
+NUM_EXAMPLES = "num-examples"  # the examples a reply's work used (Flower's FedAvg: weighted_by_key)
 TRAIN_LOSS = "train_loss"
 ACCURACY = "accuracy"
+TEST_LOSS = "test_loss"  # evaluate: mean cross-entropy on the test split
 VAL_LOSS = "val_loss"  # evaluate, where the client holds a validation split
 # Per item of a block (loss_0, loss_1, ...): per model in train_select/select, per neighbour in
 # gossip_train; declared here, not in one family, because two families reply with it.
 LOSS = "loss"
 
 # Block names.
-MODELS = "models"  # items: whole models, arrays in state_dict order
-MODEL = "model"  # replied: one model
+MODEL = "arrays"  # one model (sent to train or evaluate, replied trained): Flower's own record name for it
+MODELS = "models"  # items: whole models (K cluster models; a client's own and its neighbours')
+
+# Message categories (Flower's message types: "train", "train.<action>", "query.<action>", "evaluate").
+TRAIN_KIND, QUERY_KIND, EVALUATE_KIND = "train", "query", "evaluate"
+KINDS = (TRAIN_KIND, QUERY_KIND, EVALUATE_KIND)
 
 # Beyond this magnitude a replied value would overflow float32 sums and distances.
 MAX_ABS_VALUE = 1e6
@@ -85,102 +105,66 @@ def indexed(metric: str, k: int) -> str:
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow the protocol (bad layout, missing block or key)."""
+    """A message that does not follow the protocol (missing record, block or key)."""
 
 
-def instruction_header(config: Mapping[str, Scalar]) -> tuple[str, int, str]:
-    """The task name, round and layout of an instruction's config (client side), checked: a key
-    that is missing or of the wrong kind is a one-line :class:`ProtocolError` naming it, before
-    any work (a round number steers the client's randomness, so a wrong one is never guessed)."""
-    missing = [key for key in (TASK_KEY, ROUND_KEY, LAYOUT_KEY) if key not in config]
-    if missing:
-        raise ProtocolError(f"instruction lacks {', '.join(map(repr, missing))} (got keys {', '.join(sorted(config))})")
-    task, server_round, layout = config[TASK_KEY], config[ROUND_KEY], config[LAYOUT_KEY]
-    if not is_int(server_round) or server_round < 1:
-        raise ProtocolError(f"instruction's {ROUND_KEY!r} must be a round number (an integer >= 1), got {server_round!r}")
-    if not isinstance(task, str) or not isinstance(layout, str):
-        key, value = (TASK_KEY, task) if not isinstance(task, str) else (LAYOUT_KEY, layout)
-        raise ProtocolError(f"instruction's {key!r} must be a string, got {value!r}")
-    return task, server_round, layout
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-# ---- the codec ------------------------------------------------------------------------------
+def is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---- arrays <-> records ----------------------------------------------------------------------
 
 Blocks = Mapping[str, Sequence[NDArrays]]  # block name -> items, each item a list of arrays
+RecordCache = dict[int, tuple[NDArrays, ArrayRecord]]  # id(item) -> (the item, its record)
 
-_LAYOUT_ENTRY = re.compile(r"^([a-z_]+)=(\d+)x(\d+)$")
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    name: str
-    items: int
-    arrays_per_item: int
+_ITEM_RECORD = re.compile(r"^(?P<block>[A-Za-z_][A-Za-z0-9_]*)(\.(?P<k>\d+))?$")
 
 
-def layout_of(blocks: Blocks) -> str:
-    """The layout string of ``blocks`` (insertion order), e.g. ``models=3x8,directions=3x8``."""
-    entries = []
-    for name, items in blocks.items():
-        per_item = {len(item) for item in items}
-        if len(per_item) > 1:
-            raise ProtocolError(f"block {name!r}: its items have different numbers of arrays {sorted(per_item)}")
-        entries.append(f"{name}={len(items)}x{per_item.pop() if per_item else 0}")
-    return ",".join(entries)
+def array_record(arrays: Sequence[np.ndarray], names: Sequence[str] | None = None) -> ArrayRecord:
+    """``arrays`` as one record, under ``names`` (a model's ``state_dict`` keys) or their indices."""
+    keys = [str(i) for i in range(len(arrays))] if names is None else list(names)
+    if len(keys) != len(arrays):
+        raise ProtocolError(f"{len(keys)} names for {len(arrays)} arrays")
+    record = ArrayRecord()
+    for key, array in zip(keys, arrays):
+        record[key] = Array(np.asarray(array))
+    return record
 
 
-def parse_layout(text: Any) -> list[BlockLayout]:
-    if not isinstance(text, str):
-        raise ProtocolError(f"{LAYOUT_KEY!r} must be a string, got {text!r}")
-    layout = []
-    for entry in filter(None, text.split(",")):
-        match = _LAYOUT_ENTRY.match(entry)
-        if match is None:
-            raise ProtocolError(f"malformed layout entry {entry!r} (expected NAME=ITEMSxARRAYS)")
-        layout.append(BlockLayout(match[1], int(match[2]), int(match[3])))
-    return layout
+def record_arrays(record: ArrayRecord) -> NDArrays:
+    """A record's arrays, in their order (deserialized on each call)."""
+    return [array.numpy() for array in record.values()]
 
 
-def unpack(arrays: NDArrays, layout: str) -> dict[str, list[NDArrays]]:
-    """Split Flower's flat list of arrays into named blocks of items, by ``layout``."""
-    blocks: dict[str, list[NDArrays]] = {}
-    start = 0
-    for block in parse_layout(layout):
-        size = block.items * block.arrays_per_item
-        if start + size > len(arrays):
-            raise ProtocolError(f"layout {layout!r} needs more than the {len(arrays)} arrays received")
-        flat = arrays[start : start + size]
-        blocks[block.name] = [
-            list(flat[i * block.arrays_per_item : (i + 1) * block.arrays_per_item]) for i in range(block.items)
-        ]
-        start += size
-    if start != len(arrays):
-        raise ProtocolError(f"layout {layout!r} accounts for {start} of the {len(arrays)} arrays received")
-    return blocks
+def item_records(block: str, count: int) -> list[str]:
+    """The record names of a block of ``count`` items: the block's name for one, ``<block>.<k>`` otherwise."""
+    return [block] if count == 1 else [f"{block}.{k}" for k in range(count)]
 
 
-SerializationCache = dict[int, tuple[NDArrays, list[bytes]]]
-
-
-def pack_parameters(blocks: Blocks, cache: SerializationCache | None = None) -> tuple[Parameters, str]:
-    """Flower's parameters for ``blocks`` (their arrays one after another) and their layout;
-    :func:`unpack` of :func:`parameters_to_arrays` of them gives the blocks back.
-
-    ``cache`` (keyed by the identity of an item's list, so valid while the items live) lets
-    the models that many clients receive in one round be serialized once.
-    """
+def block_records(
+    blocks: Blocks, named: Sequence[str], model_names: Sequence[str] | None, cache: RecordCache | None = None
+) -> dict[str, ArrayRecord]:
+    """The ``ArrayRecord`` of every item of ``blocks``; the items of blocks in ``named`` are models,
+    their arrays named by ``model_names``. ``cache`` (keyed by the identity of an item's list, so
+    valid while the items live) lets a model that many clients receive this round be serialized once."""
     cache = {} if cache is None else cache
-    tensors: list[bytes] = []
-    for items in blocks.values():
-        for item in items:
+    records = {}
+    for block, items in blocks.items():
+        for name, item in zip(item_records(block, len(items)), items):
             if id(item) not in cache:
-                cache[id(item)] = (item, [ndarray_to_bytes(array) for array in item])  # the item too: its id stays its own
-            tensors += cache[id(item)][1]
-    return Parameters(tensors=tensors, tensor_type="numpy.ndarray"), layout_of(blocks)
+                names = model_names if block in named and model_names is not None and len(model_names) == len(item) else None
+                cache[id(item)] = (item, array_record(item, names))  # the item too: its id stays its own
+            records[name] = cache[id(item)][1]
+    return records
 
 
-def parameters_to_arrays(parameters: Parameters) -> NDArrays:
-    return [bytes_to_ndarray(tensor) for tensor in parameters.tensors]
+def content_nbytes(content: RecordDict) -> int:
+    """The serialized arrays a message carries, in bytes (what travels, records and scalars aside)."""
+    return sum(len(array.data) for record in content.array_records.values() for array in record.values())
 
 
 # ---- what a reply must look like -------------------------------------------------------------
@@ -214,26 +198,18 @@ class ArraySpec:
 
 @dataclass(frozen=True)
 class Sent:
-    """What a reply check may know of the instruction: items per block and the config."""
+    """What a reply check may know of the instruction: items per block (blocks with items only) and the config."""
 
     items: Mapping[str, int]
     config: Mapping[str, Scalar]
 
     @classmethod
-    def of(cls, layout: str, config: Mapping[str, Scalar]) -> Sent:
-        return cls({block.name: block.items for block in parse_layout(layout)}, config)
+    def of(cls, blocks: Blocks, config: Mapping[str, Scalar]) -> Sent:
+        return cls({name: len(items) for name, items in blocks.items() if len(items)}, config)
 
 
 MetricCheck = Callable[[Mapping[str, Scalar], Sent], "str | None"]
 ReplyShapes = Callable[[Sent, ModelSpec], dict[str, list[ArraySpec]]]
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def index_into(metric: str, block: str) -> MetricCheck:
@@ -277,10 +253,10 @@ def in_unit_interval(metric: str) -> MetricCheck:
     return check
 
 
-def finite_if_present(metric: str) -> MetricCheck:
+def finite(metric: str) -> MetricCheck:
     def check(metrics: Mapping[str, Scalar], sent: Sent) -> str | None:
         value = metrics.get(metric)
-        return None if value is None or is_finite_number(value) else f"metric {metric!r} must be a finite number, got {value!r}"
+        return None if is_finite_number(value) else f"metric {metric!r} must be a finite number, got {value!r}"
 
     return check
 
@@ -291,38 +267,135 @@ def when_sent(block: str, check: MetricCheck) -> MetricCheck:
 
 
 @dataclass(frozen=True)
+class TaskInput:
+    """An instruction as the client reads it: the round, the named blocks and the config scalars."""
+
+    server_round: int
+    blocks: Mapping[str, list[NDArrays]]
+    config: Mapping[str, Scalar]
+
+
+@dataclass(frozen=True)
 class Task:
-    """One kind of work a client can be asked for; see the tables of this module and of the family modules."""
+    """One kind of work a client can be asked for; see the tables of this module and of the family modules.
+
+    ``kind`` is the Flower message category it travels as (``train``: it trains a model; ``query``:
+    it only reports; ``evaluate``); a task named after its kind is Flower's default action of that
+    kind. ``may_be_nonfinite`` names the reply metrics (or per-item metric prefixes: ``loss`` for
+    ``loss_0``, ``loss_1``, ...) that may be NaN or infinite; every other reply metric must be a
+    finite number. The items of the blocks in ``model_blocks`` are models: their arrays travel under
+    the model's ``state_dict`` keys."""
 
     name: str
     sends: tuple[str, ...]  # blocks the instruction must carry
-    reply: tuple[str, ...]  # blocks of the reply, in packing order
+    reply: tuple[str, ...]  # blocks of the reply, in order
     reply_shapes: ReplyShapes
     metric_checks: tuple[MetricCheck, ...] = ()
     config: tuple[str, ...] = ()  # scalars the instruction must carry
     optional: tuple[str, ...] = field(default=())  # blocks the instruction may carry
+    kind: str = TRAIN_KIND
+    may_be_nonfinite: tuple[str, ...] = ()
+    model_blocks: tuple[str, ...] = (MODEL, MODELS)
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or self.kind not in KINDS:
+            raise ValueError(f"task {self.name!r} of kind {self.kind!r}: a task's name must be a Python identifier "
+                             f"(it is a Flower action) and its kind one of {', '.join(KINDS)}")
+
+    @property
+    def action(self) -> str:
+        """The Flower action the ClientApp registers its handler under (``default``: the kind's own)."""
+        return "default" if self.name == self.kind else self.name
+
+    @property
+    def message_type(self) -> str:
+        """Flower's message type of its instructions: ``train``, ``evaluate``, ``train.<name>``, ``query.<name>``."""
+        return self.kind if self.name == self.kind else f"{self.kind}.{self.name}"
 
     def check_instruction(self, blocks: Blocks, config: Mapping[str, Scalar]) -> None:
         """A strategy's instruction carries the task's blocks and scalars (a programming error if not)."""
-        missing = [b for b in self.sends if b not in blocks] + [k for k in self.config if k not in config]
+        missing = [b for b in self.sends if not blocks.get(b)] + [k for k in self.config if k not in config]
         unknown = [b for b in blocks if b not in self.sends + self.optional]
         if missing or unknown:
             raise ProtocolError(f"task {self.name!r}: missing {missing}, unexpected {unknown}")
 
-    def pack_reply(self, blocks: Mapping[str, NDArrays]) -> NDArrays:
-        """The reply's flat list of arrays, in the declared order (client side)."""
+    # ---- client side --------------------------------------------------------------------------
+
+    def instruction(
+        self, blocks: Blocks, config: Mapping[str, Scalar], server_round: int,
+        model_names: Sequence[str] | None = None, cache: RecordCache | None = None,
+    ) -> RecordDict:
+        """The content of an instruction of this task (server side): its blocks' records and ``config``."""
+        self.check_instruction(blocks, config)
+        records: dict[str, Any] = block_records(blocks, self.model_blocks, model_names, cache)
+        records[CONFIG] = ConfigRecord({**config, ROUND_KEY: server_round})
+        return RecordDict(records)
+
+    def read_instruction(self, content: RecordDict) -> TaskInput:
+        """An instruction's round, blocks and scalars (client side), checked: a missing or malformed
+        record or key is one :class:`ProtocolError` line naming it, before any work (a round number
+        steers the client's randomness, so a wrong one is never guessed)."""
+        if CONFIG not in content.config_records:
+            raise ProtocolError(f"instruction of task {self.name!r} lacks its {CONFIG!r} record "
+                                f"(got records {', '.join(sorted(content)) or 'none'})")
+        config = dict(content.config_records[CONFIG])
+        server_round = config.get(ROUND_KEY)
+        if not is_int(server_round) or server_round < 1:
+            raise ProtocolError(f"instruction's {ROUND_KEY!r} must be a round number (an integer >= 1), got {server_round!r}")
+        found: dict[str, dict[int, ArrayRecord]] = {}
+        declared = self.sends + self.optional
+        for name, record in content.array_records.items():
+            match = _ITEM_RECORD.match(name)
+            if match is None or match["block"] not in declared:
+                raise ProtocolError(f"task {self.name!r}: unexpected record {name!r} (its blocks: {', '.join(declared) or 'none'})")
+            found.setdefault(match["block"], {})[int(match["k"]) if match["k"] is not None else -1] = record
+        blocks: dict[str, list[NDArrays]] = {}
+        for block, items in found.items():
+            expected = item_records(block, len(items))
+            if sorted(items) != ([-1] if len(items) == 1 else list(range(len(items)))):
+                got = sorted(name for name in content.array_records if name.split(".")[0] == block)
+                raise ProtocolError(f"task {self.name!r}: block {block!r} must travel as {expected}, got {got}")
+            blocks[block] = [record_arrays(items[k]) for k in sorted(items)]
+        self.check_instruction(blocks, config)
+        return TaskInput(server_round, blocks, config)
+
+    def reply_content(
+        self, blocks: Mapping[str, NDArrays], num_examples: int, metrics: Mapping[str, Scalar],
+        model_names: Sequence[str] | None = None,
+    ) -> RecordDict:
+        """The content of a reply (client side): one record per declared reply block and the metrics."""
         if set(blocks) != set(self.reply):
             raise ProtocolError(f"task {self.name!r} replies with {list(self.reply)}, got {sorted(blocks)}")
-        return [array for name in self.reply for array in blocks[name]]
+        records: dict[str, Any] = {
+            name: array_record(blocks[name], model_names if name in self.model_blocks and model_names is not None
+                               and len(model_names) == len(blocks[name]) else None)
+            for name in self.reply
+        }
+        records[METRICS] = MetricRecord({**metrics, NUM_EXAMPLES: num_examples})
+        return RecordDict(records)
 
-    def problem_with_reply(
-        self, arrays: NDArrays, metrics: Mapping[str, Scalar], sent: Sent, model: ModelSpec
-    ) -> str | None:
-        """Why this reply must be refused, naming the task and what was expected; None if it is sound."""
+    # ---- server side --------------------------------------------------------------------------
+
+    def problem_with_metrics(self, metrics: Mapping[str, Any], sent: Sent) -> str | None:
+        """Why a reply's metrics must be refused, naming the task and the metric; None if they are sound."""
+        for key, value in metrics.items():
+            if key == NUM_EXAMPLES:
+                continue
+            allowed = any(key == name or key.startswith(f"{name}_") for name in self.may_be_nonfinite)
+            if not (is_finite_number(value) or allowed and isinstance(value, float)):
+                return f"task {self.name}: metric {key!r} must be a finite number, got {value!r}"
         for check in self.metric_checks:
             problem = check(metrics, sent)
             if problem is not None:
                 return f"task {self.name}: {problem}"
+        return None
+
+    def problem_with_arrays(self, content: RecordDict, sent: Sent, model: ModelSpec) -> str | None:
+        """Why a reply's arrays must be refused, naming the task and what was expected; None if they are sound."""
+        names = sorted(content.array_records)
+        if names != sorted(self.reply):
+            return f"task {self.name}: expected the records {list(self.reply)}, got {names}"
+        arrays = [array for name in self.reply for array in record_arrays(content.array_records[name])]
         shapes = self.reply_shapes(sent, model)
         named = [(name, spec) for name in self.reply for spec in shapes[name]]
         expected = [spec.shape for _, spec in named]
@@ -341,18 +414,9 @@ class Task:
                 return f"task {self.name}: {name} values must be <= {spec.high:g}, got {array.max():g}"
         return None
 
-    def unpack_reply(self, arrays: NDArrays, sent: Sent, model: ModelSpec) -> dict[str, NDArrays]:
-        """Named blocks of a reply that passed :meth:`problem_with_reply` (server side)."""
-        shapes = self.reply_shapes(sent, model)
-        blocks, start = {}, 0
-        for name in self.reply:
-            blocks[name] = list(arrays[start : start + len(shapes[name])])
-            start += len(shapes[name])
-        return blocks
-
 
 def one_model(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
-    """Reply shapes of a task that returns one model (``model``, shaped as the strategy's)."""
+    """Reply shapes of a task that returns one model (``arrays``, shaped as the strategy's)."""
     return {MODEL: model.arrays()}
 
 
@@ -361,16 +425,19 @@ def no_arrays(sent: Sent, model: ModelSpec) -> dict[str, list[ArraySpec]]:
     return {}
 
 
-TRAIN = Task("train", sends=(MODELS,), reply=(MODEL,), reply_shapes=one_model)
+TRAIN = Task("train", sends=(MODEL,), reply=(MODEL,), reply_shapes=one_model)
 EVALUATE = Task(
     "evaluate",
-    sends=(MODELS,),
+    sends=(MODEL,),
     reply=(),
     reply_shapes=no_arrays,
-    metric_checks=(in_unit_interval(ACCURACY), finite_if_present(VAL_LOSS)),
+    metric_checks=(in_unit_interval(ACCURACY), finite(TEST_LOSS)),
+    kind=EVALUATE_KIND,
 )
-
-
-def instruction_config(task: Task, server_round: int, layout: str, extra: Mapping[str, Scalar]) -> dict[str, Scalar]:
-    """The config of one instruction: task, round, layout and the task's own scalars."""
-    return {**extra, TASK_KEY: task.name, ROUND_KEY: server_round, LAYOUT_KEY: layout}
+IDENTIFY = Task(
+    "identify",
+    sends=(),
+    reply=(),
+    reply_shapes=no_arrays,
+    kind=QUERY_KIND,
+)

@@ -204,7 +204,7 @@ class RoundLog:
         if self.finished(server_round):
             self.recorder.plot(self.target_accuracy, self.title)
             log(INFO, "results written to %s", self.recorder.run_dir)
-        summary = self.summary(server_round, strategy.name, strategy.assignment) | strategy.summary()
+        summary = self.summary(server_round, strategy.name, strategy.assignment) | strategy.summary_entries()
         self.recorder.write_summary(summary)
 
     def wall_seconds(self) -> float:

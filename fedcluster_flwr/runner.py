@@ -1,5 +1,5 @@
 """Run experiments on Flower's Ray simulation engine (in a process group of their own, see
-:mod:`fedcluster_flwr.engines.simulation`): fresh runs, resumes, branches.
+:mod:`fedcluster_flwr.engine_process`): fresh runs, resumes, branches.
 
 The life of a run directory:
 
@@ -44,7 +44,7 @@ import yaml
 from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
 from .config import config_differences, config_to_dict, left_with_engine, load_config, parse_override
 from .config_sections import ExperimentConfig
-from .engines.simulation import OUTPUT, USER, Job, check_ray_address, encode_job
+from .engine_process import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
 from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
@@ -80,7 +80,7 @@ def run_experiment(
     stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Run one experiment on Flower's Ray simulation engine in a process of its own (see
-    :mod:`fedcluster_flwr.engines.simulation`); return its summary.
+    :mod:`fedcluster_flwr.engine_process`); return its summary.
 
     ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round;
     ``stop_after`` stops it, checkpointed, after that round (before ``config.rounds``);
@@ -141,7 +141,7 @@ class _Stop(BaseException):
 def _run_engine(job: Job, progress: RunProgress | None) -> None:
     """Start the engine process in its own session, pass on its rounds to ``progress`` and re-raise
     its user-facing errors; on a stop signal (or any error here) end its whole process group.
-    Why a separate process group and SIGKILL: see :mod:`fedcluster_flwr.engines.simulation`."""
+    Why a separate process group and SIGKILL: see :mod:`fedcluster_flwr.engine_process`."""
     events_read, events_write = os.pipe()
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parent.parent)  # the engine imports this very code
@@ -160,7 +160,7 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
     error: dict[str, Any] | None = None
     try:
         engine = subprocess.Popen(
-            [sys.executable, "-m", "fedcluster_flwr.engines.simulation", str(events_write)],
+            [sys.executable, "-m", "fedcluster_flwr.engine_process", str(events_write)],
             stdin=subprocess.PIPE, pass_fds=(events_write,), start_new_session=True, env=env,
         )
         os.close(events_write)
@@ -190,7 +190,7 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
 
 
 def engine_error(event: dict[str, Any], run_dir: Path) -> Exception:
-    """The one-line error for the engine's error event (:func:`.engines.simulation.error_event`)."""
+    """The one-line error for the engine's error event (:func:`.engine_process.error_event`)."""
     if event["kind"] == USER:
         return ConfigError("", event["error"])
     if event["kind"] == OUTPUT:

@@ -1,7 +1,7 @@
 """Helpers the test modules share (no test imports from another test module): run-file checks,
-a synthetic model, fake Flower clients, :func:`synthetic_round`, which plays one round of a strategy
-with synthetic clients through the in-process engine's round loop
-(:func:`fedcluster_flwr.engines.inprocess.play_round`), and CIFAR-10 files in the real format."""
+a synthetic model, a grid of synthetic Flower nodes (:class:`SyntheticGrid`, our in-process grid
+over a ClientApp that answers as each test says), :func:`synthetic_round`, which plays one round of
+a strategy on it (the strategy's own ``play_round``), and CIFAR-10 files in the real format."""
 
 from __future__ import annotations
 
@@ -14,34 +14,21 @@ from typing import Any
 
 import numpy as np
 import yaml
-from flwr.common import (
-    Code,
-    EvaluateIns,
-    EvaluateRes,
-    FitIns,
-    FitRes,
-    GetPropertiesRes,
-    NDArrays,
-    Scalar,
-    Status,
-    ndarrays_to_parameters,
-    parameters_to_ndarrays,
-)
-from flwr.server.client_manager import SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.config import config_to_dict, load_config
-from fedcluster_flwr.protocol import ACCURACY, LAYOUT_KEY, MODELS, TASK_KEY
+from fedcluster_flwr.protocol import ACCURACY, EVALUATE, IDENTIFY, METRICS, MODEL, MODELS, NUM_EXAMPLES, TEST_LOSS, Task
 from fedcluster_flwr.algorithms.base.directory import Federation
-from fedcluster_flwr.engines.inprocess import play_round
+from fedcluster_flwr.engines.inprocess import InProcessGrid
 from fedcluster_flwr.recorder import RunRecorder
 from fedcluster_flwr.round_log import RoundLog
 from fedcluster_flwr.algorithms.base import StrategySetup
 from fedcluster_flwr.algorithms.base.strategy import ClusteredStrategy
 from fedcluster_flwr.algorithms.base.messages import Instruction
 from fedcluster_flwr.algorithms.base.selection import SELECTED, SIMILARITY
+from fedcluster_flwr.types import NDArrays, Scalar
 
 
 def rows_without_timing(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -123,63 +110,154 @@ def select_metrics(chosen: int, losses: Sequence[float], similarities: Sequence[
             | {protocol.indexed(SIMILARITY, k): float(v) for k, v in enumerate(similarities)})
 
 
-def fit_res(weights: NDArrays, n: int = 10, metrics: Mapping[str, Scalar] | None = None,
-            tensors: list[bytes] | None = None) -> FitRes:
-    """A successful fit reply; ``tensors`` replaces the serialized arrays (to send garbage)."""
-    parameters = ndarrays_to_parameters(weights)
+# ---- replies as a client would send them --------------------------------------------------------
+
+
+def metrics_record(metrics: Mapping[str, Any]) -> MetricRecord | ConfigRecord:
+    """``metrics`` as a reply's ``metrics`` record; values a MetricRecord cannot hold (a string, a
+    bool), as a hostile client might try, make it a ConfigRecord, which the server cannot read as metrics."""
+    try:
+        return MetricRecord(dict(metrics))
+    except TypeError:
+        return ConfigRecord(dict(metrics))
+
+
+def reply_content(blocks: Mapping[str, NDArrays], n: int = 10, metrics: Mapping[str, Any] | None = None) -> RecordDict:
+    """A reply's content: one record per block, and the metrics with ``num-examples`` ``n``."""
+    records: dict[str, Any] = {name: ArrayRecord([np.asarray(a) for a in arrays]) for name, arrays in blocks.items()}
+    records[METRICS] = metrics_record({**(metrics or {}), NUM_EXAMPLES: n})
+    return RecordDict(records)
+
+
+def fit_res(weights: NDArrays, n: int = 10, metrics: Mapping[str, Any] | None = None,
+            tensors: list[bytes] | None = None) -> RecordDict:
+    """A successful train reply's content; ``tensors`` replaces the serialized arrays (to send garbage)."""
+    content = reply_content({MODEL: weights}, n, metrics)
     if tensors is not None:
-        parameters.tensors = tensors
-    return FitRes(Status(Code.OK, ""), parameters, n, dict(metrics or {}))
+        record = content.array_records[MODEL]
+        for key, data in zip(list(record), tensors):
+            old = record[key]
+            record[key] = Array(dtype=old.dtype, shape=tuple(old.shape), stype=old.stype, data=data)
+    return content
 
 
-# ---- a federation of fake Flower clients ----------------------------------------------------------
+def pack_reply(task: Task, blocks: Mapping[str, NDArrays]) -> NDArrays:
+    """A synthetic client's reply arrays for ``task``: its blocks' arrays one after another, in the
+    task's order (:func:`reply_blocks` cuts them apart again)."""
+    return [array for name in task.reply for array in blocks[name]]
 
 
-class FakeProxy(ClientProxy):
-    """A registered Flower client that answers get_properties (the strategy's discovery) with the
-    partition ``pid`` it claims, well-formed or not, and its fit and evaluate instructions as the
-    round's :class:`RoundPlan` says (:func:`synthetic_round` sets it)."""
+def reply_to(message: Message, content: RecordDict) -> Message:
+    """The reply a node sends to ``message``."""
+    return Message(content, reply_to=message)
 
-    def __init__(self, cid: str, pid: Any, num_partitions: int):
-        super().__init__(cid)
-        self.pid, self.num_partitions = pid, num_partitions
+
+def configure(strategy: ClusteredStrategy, rnd: int, grid: Any) -> list[Message]:
+    """The strategy's round-``rnd`` training messages on ``grid`` (Flower's ``configure_train``)."""
+    return strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid)
+
+
+# ---- a grid of synthetic Flower nodes -----------------------------------------------------------------
+
+
+@dataclass
+class SyntheticNode:
+    """A Flower node that tells the partition ``pid`` it claims (well-formed or not) and answers its
+    work as the round's :class:`RoundPlan` says (:func:`synthetic_round` sets it); ``name`` is the
+    test's word for it. ``identify`` replaces the identity it tells (a device's own facts), or
+    raises to fail the query."""
+
+    name: str
+    pid: Any
+    num_partitions: int
+    identify: Callable[[], Mapping[str, Any]] | None = None
+
+
+class SyntheticGrid(InProcessGrid):
+    """Our in-process grid over synthetic nodes: the ClientApp behind it is the test's plan. Nodes
+    can join (:meth:`add`) and leave (:meth:`remove`), as SuperNodes do; ``shuffle`` permutes the
+    order in which an exchange's replies come back, as arrival order does."""
+
+    def __init__(self, nodes: Sequence[SyntheticNode]) -> None:
+        super().__init__(self.answer, [])
+        self.nodes: dict[int, SyntheticNode] = {}
         self.plan: RoundPlan | None = None
+        self.shuffle: np.random.Generator | None = None
+        for node in nodes:
+            self.add(node)
 
-    def get_properties(self, ins, timeout, group_id):
-        return GetPropertiesRes(Status(Code.OK, ""), {"partition_id": self.pid, "num_partitions": self.num_partitions})
+    def add(self, node: SyntheticNode) -> int:
+        node_id = 1000 + 7 * (len(self.nodes) + len(self.contexts) + 1)
+        while node_id in self.nodes:
+            node_id += 1
+        self.nodes[node_id] = node
+        self.contexts[node_id] = Context(1, node_id, {}, RecordDict(), {})
+        return node_id
 
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
+    def remove(self, name: str) -> None:
+        node_id = self.node_named(name)
+        del self.nodes[node_id], self.contexts[node_id]
 
-    def fit(self, ins, timeout, group_id):
+    def node_named(self, name: str) -> int:
+        return next(node_id for node_id, node in self.nodes.items() if node.name == name)
+
+    def name_of(self, node_id: int) -> str:
+        return self.nodes[node_id].name
+
+    def pids(self, messages: Sequence[Message]) -> list[Any]:
+        """The partitions the nodes ``messages`` go to claim, in order."""
+        return sorted(self.nodes[m.metadata.dst_node_id].pid for m in messages)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        if self.shuffle is not None:
+            self.shuffle.shuffle(replies)
+        return replies
+
+    def answer(self, message: Message, context: Context) -> Message:
+        """The synthetic ClientApp."""
+        node = self.nodes[context.node_id]
+        kind = message.metadata.message_type
+        if kind == IDENTIFY.message_type:
+            identity = node.identify() if node.identify is not None else {
+                protocol.PARTITION_ID: node.pid, protocol.NUM_PARTITIONS: node.num_partitions}
+            return reply_to(message, RecordDict({METRICS: metrics_record(identity)}))
         plan = self.plan
-        received = Received(self.pid, ins.config[TASK_KEY], unpacked(ins), dict(ins.config),
-                            plan.strategy.messages.instructions[self.pid])
-        plan.received[self.pid] = received
-        if self.pid in plan.fail:
-            raise RuntimeError(f"client {self.pid} failed")
+        if kind == EVALUATE.message_type:
+            (model,) = EVALUATE.read_instruction(message.content).blocks[MODEL]
+            loss, metrics = plan.evaluate(node.pid, model)
+            return reply_to(message, RecordDict({METRICS: metrics_record({**metrics, TEST_LOSS: loss, NUM_EXAMPLES: 5})}))
+        instruction = plan.strategy.messages.instructions[node.pid]
+        inputs = instruction.task.read_instruction(message.content)
+        received = Received(node.pid, instruction.task.name, inputs.blocks, dict(inputs.config), instruction)
+        plan.received[node.pid] = received
+        if node.pid in plan.fail:
+            raise RuntimeError(f"client {node.pid} failed")
         arrays, num_examples, metrics = plan.reply(received)
-        if self.pid in plan.corrupt:
+        if node.pid in plan.corrupt:
             arrays = [np.full_like(a, np.nan) for a in arrays]
-        return fit_res(arrays, num_examples, metrics)
-
-    def evaluate(self, ins, timeout, group_id):
-        (model,) = unpacked(ins)[MODELS]
-        loss, metrics = self.plan.evaluate(self.pid, model)
-        return EvaluateRes(Status(Code.OK, ""), loss, 5, dict(metrics))
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
+        blocks = reply_blocks(instruction, arrays, plan.strategy)
+        return reply_to(message, reply_content(blocks, num_examples, metrics))
 
 
-def client_manager(num_clients: int, reported: int | None = None) -> SimpleClientManager:
-    """``num_clients`` fake clients, partitions 0..num_clients-1, each reporting ``reported``
+def reply_blocks(instruction: Instruction, arrays: NDArrays, strategy: ClusteredStrategy) -> dict[str, NDArrays]:
+    """A synthetic client's arrays cut into its task's reply blocks, as many to each as the task's
+    schema expects (the rest to the last: a wrong number of arrays still reaches the server's check)."""
+    task: Task = instruction.task
+    if not task.reply:
+        return {}
+    shapes = task.reply_shapes(protocol.Sent.of(instruction.blocks, instruction.config), strategy.model_spec)
+    blocks, start = {}, 0
+    for k, name in enumerate(task.reply):
+        count = len(shapes[name]) if k < len(task.reply) - 1 else len(arrays) - start
+        blocks[name], start = list(arrays[start : start + count]), start + count
+    return blocks
+
+
+def synthetic_grid(num_clients: int, reported: int | None = None) -> SyntheticGrid:
+    """``num_clients`` synthetic nodes, partitions 0..num_clients-1, each reporting ``reported``
     partitions in all (default: ``num_clients``)."""
-    manager = SimpleClientManager()
-    for pid in range(num_clients):
-        # cids unrelated to partition ids, as Flower's node ids are
-        manager.register(FakeProxy(str(1000 + 7 * pid), pid, reported or num_clients))
-    return manager
+    return SyntheticGrid([SyntheticNode(str(pid), pid, reported or num_clients) for pid in range(num_clients)])
 
 
 @dataclass(frozen=True)
@@ -225,14 +303,14 @@ def recorded_rows(strategy: ClusteredStrategy) -> list[dict[str, Any]]:
     return strategy.observer.recorder.rows
 
 
-# ---- one round, driven as Flower's server loop drives it --------------------------------------------
+# ---- one round, as the strategy plays it on a grid --------------------------------------------
 
 
 @dataclass(frozen=True)
 class Received:
-    """What one client received for a round's fit: its task, the blocks and scalars off the wire
-    (unpacked from its FitIns), and the strategy's :class:`Instruction` for it, which also says
-    what never travels (whose model each gossip item is, which cluster each model is)."""
+    """What one client received for a round's work: its task, the blocks and scalars off the wire
+    (read from its message's records), and the strategy's :class:`Instruction` for it, which also
+    says what never travels (whose model each gossip item is, which cluster each model is)."""
 
     pid: int
     task: str
@@ -242,7 +320,8 @@ class Received:
 
     @property
     def models(self) -> list[NDArrays]:
-        return self.blocks[MODELS]
+        """The models received: the one of ``train``, or the several of the other tasks."""
+        return self.blocks[MODEL] if MODEL in self.blocks else self.blocks[MODELS]
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -260,11 +339,6 @@ def evaluated_at_80_percent(pid: int, model: NDArrays) -> tuple[float, Mapping[s
     return 0.5, {ACCURACY: 0.8}
 
 
-def unpacked(ins: FitIns | EvaluateIns) -> dict[str, list[NDArrays]]:
-    """An instruction's blocks, as the client decodes them."""
-    return protocol.unpack(parameters_to_ndarrays(ins.parameters), ins.config[LAYOUT_KEY])
-
-
 @dataclass
 class RoundPlan:
     """How the synthetic clients answer one round (see :func:`synthetic_round`)."""
@@ -279,7 +353,7 @@ class RoundPlan:
 
 def synthetic_round(
     strategy: ClusteredStrategy,
-    manager: SimpleClientManager,
+    grid: SyntheticGrid,
     rnd: int,
     reply: SyntheticClient,
     *,
@@ -288,24 +362,25 @@ def synthetic_round(
     evaluate: Evaluation = evaluated_at_80_percent,
     shuffle: np.random.Generator | None = None,
 ) -> dict[int, Received]:
-    """Play Flower round ``rnd`` with the in-process engine's round loop over ``manager``'s
-    :class:`FakeProxy` clients (connecting the strategy to its test run first, once).
+    """Play Flower round ``rnd`` of the strategy (its own ``play_round``) on ``grid``'s synthetic
+    nodes (connecting the strategy to its test run first, once).
 
     ``reply(received)`` is the synthetic client: the (arrays, num_examples, metrics) it sends back
     for what it received. A client in ``fail`` raises instead (a failure; ``reply`` is not asked);
     one in ``corrupt`` replies with its arrays turned to NaN. ``evaluate(pid, model)`` is the
     (loss, metrics) of client ``pid`` evaluated on the model it was sent. ``shuffle`` permutes the
-    order in which the fit and the evaluate results reach the strategy, as arrival order does in
-    Flower.
+    order in which the replies reach the strategy, as arrival order does in Flower.
 
     Returns what each instructed client received, by partition id, failed ones included.
     """
     connect_test_run(strategy)
-    plan = RoundPlan(strategy, reply, fail, corrupt, evaluate)
-    for proxy in manager.all().values():
-        proxy.plan = plan
-    play_round(strategy, manager, rnd, arrival=None if shuffle is None else shuffle.shuffle)
-    return plan.received
+    grid.plan = RoundPlan(strategy, reply, fail, corrupt, evaluate)
+    grid.shuffle = shuffle
+    try:
+        strategy.play_round(grid, rnd)
+    finally:
+        grid.shuffle = None
+    return grid.plan.received
 
 
 # ---- dataset files --------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The Flower apps as `flwr run` loads them: run config -> config, run directory, clients."""
+"""The Flower apps as `flwr run` loads them: run config -> config, run directory, clients; the
+ServerApp's main on a grid, the ClientApp on a node's context."""
 
 from __future__ import annotations
 
@@ -6,18 +7,15 @@ from __future__ import annotations
 import logging
 
 import pytest
-from flwr.common import Context, RecordDict, log
+from flwr.app import Context, RecordDict
+from flwr.common import log
 from flwr.common.logger import FLOWER_LOGGER
 from ray import cloudpickle
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.run_files import format_summary
-from fedcluster_flwr.client_app import ExperimentClientApp, make_client_fn
-from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.experiment import config_from_run_config
-from fedcluster_flwr.engines.inprocess import InProcessProxy
-from fedcluster_flwr.run_files import read_summary
-from fedcluster_flwr.server_app import (
+from fedcluster_flwr.apps import client_app
+from fedcluster_flwr.apps.client_app import FedclusterClientApp
+from fedcluster_flwr.apps.server_app import (
     FLWR_RUN_LOG_FILTER,
     FLWR_RUN_OUTPUT_ROOT,
     RunConfigError,
@@ -25,13 +23,23 @@ from fedcluster_flwr.server_app import (
     flwr_run_dir,
     flwr_run_notes,
     flwr_run_summary,
-    server_fn,
+    start_flwr_run,
 )
+from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.data.device import NodeConfigError
+from fedcluster_flwr.engines.inprocess import InProcessGrid, partition_node_configs
+from fedcluster_flwr.run_files import format_summary, read_summary
 
 
 def context(run_config=None, node_config=None) -> Context:
     return Context(run_id=42, node_id=7, node_config=node_config or {}, state=RecordDict(),
                    run_config={"config": "conf/default.yaml", "set": "", **(run_config or {})})
+
+
+def simulation_grid(run_config, num_clients: int) -> InProcessGrid:
+    """What Flower's simulation gives `flwr run`'s ServerApp, without Ray: a grid whose nodes run the
+    project's ClientApp (``apps.client_app:app``, which reads the experiment from the run config)."""
+    return InProcessGrid(client_app.app, partition_node_configs(num_clients), run_config=context(run_config).run_config)
 
 
 def test_relative_output_dir_goes_under_the_home_folder_with_the_run_id():
@@ -45,37 +53,39 @@ def test_absolute_output_dir_is_kept(tmp_path):
     assert flwr_run_dir(config, 1).parent == tmp_path
 
 
-def test_server_fn_fails_a_misconfigured_run(caplog):
+def test_a_misconfigured_flwr_run_fails(caplog, flwr_run_log):
     """An Exception (not SystemExit, which Flower's ServerApp thread swallowed): the run is marked failed."""
     with pytest.raises(RunConfigError, match="^strategy.linkage: ward linkage needs distance l2"):
-        server_fn(context({"set": "strategy.linkage=ward strategy.distance=l1"}))
+        app(None, context({"set": "strategy.linkage=ward strategy.distance=l1"}))
     assert "strategy.linkage: ward linkage needs distance l2" in caplog.text
 
 
-def test_server_fn_builds_the_strategy_from_the_run_config(tmp_path):
-    components = server_fn(context({"strategy.name": "oracle", "rounds": 3, "output_dir": str(tmp_path)}))
-    assert components.strategy.name == "oracle" and components.config.num_rounds == 3
+def test_the_flwr_run_server_app_serves_the_run_configs_experiment_on_its_grid(tmp_path, flwr_run_log):
+    run_config = {"strategy.name": "oracle", "rounds": 2, "partition.num_clients": 8, "output_dir": str(tmp_path)}
+    app(simulation_grid(run_config, 8), context(run_config))
     (run_dir,) = tmp_path.iterdir()
-    assert (run_dir / "config.yaml").is_file()
+    summary = read_summary(run_dir)
+    assert summary["strategy"] == "oracle" and summary["finished"] and summary["completed_rounds"] == 2
+    assert summary["fit_failures"] == 0 and (run_dir / "config.yaml").is_file()
 
 
-def test_client_fn_builds_the_client_of_its_partition():
-    client = make_client_fn()(context(node_config={"partition-id": 3, "num-partitions": 20}))
-    assert client.numpy_client.get_properties({})["partition_id"] == 3
+def test_the_client_app_builds_the_client_of_its_partition():
+    client = FedclusterClientApp().client(context(node_config={"partition-id": 3, "num-partitions": 20}))
+    assert client.identity()["partition_id"] == 3
 
 
 def test_the_client_app_of_fedcluster_run_travels_to_ray_actors_as_its_config():
     config, _ = load_config(DEFAULT_CONFIG, [("client.epochs", 2)])
-    pickled = cloudpickle.dumps(ExperimentClientApp(config))
-    assert b"make_client_fn.<locals>" not in pickled  # the config, not closures pickled by value
-    app = cloudpickle.loads(pickled)
-    assert isinstance(app, ExperimentClientApp) and app.config == config
-    assert app._call is not None  # a working ClientApp (Flower calls _call with each message)
+    pickled = cloudpickle.dumps(FedclusterClientApp(config))
+    assert b"<locals>" not in pickled and b"functools" not in pickled  # the config, not its handlers pickled by value
+    loaded = cloudpickle.loads(pickled)
+    assert isinstance(loaded, FedclusterClientApp) and loaded.config == config
+    assert {"train.default", "evaluate.default", "query.identify"} <= set(loaded._registered_funcs)  # a working ClientApp
 
 
-def test_client_fn_explains_a_missing_node_config():
-    with pytest.raises(ValueError, match="--node-config 'partition-id=<i> num-partitions=<n>'"):
-        make_client_fn()(context(node_config={"num-partitions": 20}))
+def test_the_client_app_explains_a_missing_node_config():
+    with pytest.raises(NodeConfigError, match="--node-config 'partition-id=<i> num-partitions=<n>'"):
+        FedclusterClientApp().client(context(node_config={"num-partitions": 20}))
 
 
 # ---- what a `flwr run` logs: notes, the summary at the end, a config error in one line ----------------
@@ -93,8 +103,8 @@ def test_flwr_run_shows_the_configs_warnings_as_fedcluster_run_does(tmp_path, ca
     """3 clients for the default config's 4 label-swap groups: fedcluster run prints a warning,
     and so does the ServerApp's log under flwr run."""
     with caplog.at_level(logging.INFO):
-        server_fn(context({"partition.num_clients": 3, "strategy.name": "fedavg", "rounds": 1,
-                           "output_dir": str(tmp_path)}))
+        start_flwr_run(context({"partition.num_clients": 3, "strategy.name": "fedavg", "rounds": 1,
+                                "output_dir": str(tmp_path)}))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(w.startswith("fedcluster: partition.num_clients (3) is below the 4 groups") for w in warnings), warnings
 
@@ -109,41 +119,25 @@ def test_flwr_run_names_the_options_it_ignores(tmp_path, caplog):
     assert "client-resources-num-cpus" in notes[0]
     assert flwr_run_notes(load_config(DEFAULT_CONFIG)[0]) == []  # the defaults ask for nothing flwr run drops
     with caplog.at_level(logging.WARNING):
-        server_fn(context({"set": "simulation.num_cpus_per_client=2", "strategy.name": "fedavg", "rounds": 1,
-                           "output_dir": str(tmp_path)}))
+        start_flwr_run(context({"set": "simulation.num_cpus_per_client=2", "strategy.name": "fedavg", "rounds": 1,
+                                "output_dir": str(tmp_path)}))
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith("fedcluster: no effect under flwr run: simulation.num_cpus_per_client=2.0 (")
 
 
-def start_grid_in_process(*, server=None, config=None, strategy=None, client_manager=None, grid=None):
-    """Flower's start_grid without a SuperLink: the same server loop (``run_fl``, which logs the
-    "[SUMMARY]" and the History dump) with the clients called in this process."""
-    from flwr.server.client_manager import SimpleClientManager
-    from flwr.server.server import Server, run_fl
-
-    experiment = config_from_run_config(SMALL_RUN_CONFIG)
-    manager = SimpleClientManager()
-    for pid in range(experiment.partition.num_clients):
-        manager.register(InProcessProxy(experiment, pid))
-    run_fl(Server(client_manager=manager, strategy=strategy), config)
+SMALL_RUN_CONFIG = {"rounds": 2, "partition.num_clients": 8, "strategy.name": "fedavg"}
 
 
-SMALL_RUN_CONFIG = {"config": "conf/default.yaml", "set": "", "rounds": 2, "partition.num_clients": 8,
-                    "strategy.name": "fedavg"}
-
-
-def test_the_flwr_run_server_app_ends_with_fedcluster_runs_summary_and_no_history_dump(tmp_path, caplog, monkeypatch,
-                                                                                       flwr_run_log):
-    monkeypatch.setattr("flwr.serverapp.server_app.start_grid", start_grid_in_process)
+def test_the_flwr_run_server_app_ends_with_fedcluster_runs_summary(tmp_path, caplog, flwr_run_log):
     run_config = SMALL_RUN_CONFIG | {"output_dir": str(tmp_path)}
     with caplog.at_level(logging.INFO):
-        app(None, context(run_config))
+        app(simulation_grid(run_config, 8), context(run_config))
     (run_dir,) = tmp_path.iterdir()
     messages = [r.getMessage() for r in caplog.records]
-    assert not [m for m in messages if "History (" in m or m.startswith("\t")]  # ~20 lines per round and metric before
-    end = messages[messages.index("[SUMMARY]"):]
+    assert [m.split(": mean")[0] for m in messages if m.startswith("fedcluster: round ")] == [
+        "fedcluster: round 1", "fedcluster: round 2"]
     expected = format_summary(read_summary(run_dir), run_dir).splitlines()
-    assert end[-len(expected):] == expected and end[-len(expected) - 1] == "fedcluster: 2 rounds done"
+    assert messages[-len(expected):] == expected and messages[-len(expected) - 1] == "fedcluster: 2 rounds done"
 
 
 def test_a_config_error_under_flwr_run_is_one_line_and_fails_the_run(caplog, flwr_run_log):

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_CONFIG
-from helpers import DIM, Received, assert_same_state, client_manager, synthetic_round, flat, make_setup, select_metrics, unflatten
+from helpers import DIM, Received, assert_same_state, synthetic_grid, synthetic_round, flat, make_setup, select_metrics, unflatten
 from fedcluster_flwr.algorithms.cfl.math import bipartition
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.run_files import format_summary
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.algorithms.cfl.math import cosine_similarity
@@ -64,7 +64,7 @@ def cfl(tmp_path, num_clients: int, options: CFLOptions = OPTIONS, true=None) ->
 def test_a_cluster_at_a_stationary_point_with_a_diverging_client_splits(tmp_path, caplog):
     strategy = cfl(tmp_path, 4)
     with caplog.at_level(logging.INFO):
-        synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+        synthetic_round(strategy, synthetic_grid(4), 1, adding(two_camps(range(4), {0, 2})))
     (split,) = strategy.splits
     (logged,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CFL round")]
     assert logged == (f"CFL round 1: cluster 0 -> (1, 2) (2 + 2 clients), α_max^cross {split.alpha_max_cross:.4g}, "
@@ -96,7 +96,7 @@ def test_no_split_unless_every_condition_holds(tmp_path, case, caplog):
         options = replace(OPTIONS, min_cluster_size=3)
     strategy = cfl(tmp_path, 4, options)
     with caplog.at_level(logging.INFO):
-        synthetic_round(strategy, client_manager(4), rnd, adding(updates))
+        synthetic_round(strategy, synthetic_grid(4), rnd, adding(updates))
     assert not [r for r in caplog.records if "not split" in r.getMessage()]  # refused before any bi-partition
     assert strategy.splits == [] and sorted(strategy.models) == [0]
     assert strategy.assignment.tolist() == [0, 0, 0, 0]
@@ -113,7 +113,7 @@ def test_relative_thresholds_are_shares_of_the_update_scale_before_any_split(tmp
     1: every client moves the same way (norm 1 · scale): S = scale, no split (‖mean‖ ≈ S). Round 2:
     two camps of norm 0.9 · scale cancel: ‖mean‖ ≈ 0 < ε1, max 0.9 S > ε2: split, at any scale."""
     strategy = cfl(tmp_path / str(scale), 4, CFLOptions())
-    manager = client_manager(4)
+    manager = synthetic_grid(4)
     together = {p: scale * direction(0) for p in range(4)}
     synthetic_round(strategy, manager, 1, adding(together))
     assert strategy.splits == [] and strategy.norm_scale == pytest.approx(scale, rel=1e-5)
@@ -128,7 +128,7 @@ def test_relative_thresholds_are_shares_of_the_update_scale_before_any_split(tmp
 
 def test_relative_thresholds_do_not_split_camps_below_eps2_of_the_scale(tmp_path):
     strategy = cfl(tmp_path, 4, CFLOptions())
-    manager = client_manager(4)
+    manager = synthetic_grid(4)
     synthetic_round(strategy, manager, 1, adding({p: direction(0) for p in range(4)}))  # S = 1
     synthetic_round(strategy, manager, 2, adding(two_camps(range(4), {0, 2}, size=0.7, noise=0.01)))  # max 0.7 < 0.8
     assert strategy.splits == []
@@ -147,7 +147,7 @@ def test_gamma_max_splits_only_a_bipartition_the_paper_s_criterion_certifies(tmp
     < ε1 2, max 1.8 > ε2 1); 1 − 2·γ_max² is 1 (γ 0), 0.5 (γ 0.5), 0.28 (γ 0.6, refused)."""
     options = CFLOptions(thresholds="absolute", eps1=2.0, eps2=1.0, gamma_max=gamma_max)
     strategy = cfl(tmp_path, 4, options)
-    synthetic_round(strategy, client_manager(4), 1, adding(leaning_camps(1.5)))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(leaning_camps(1.5)))
     (row,) = strategy.observer.recorder.rows
     if splits:
         assert strategy.splits[0].members == ((0, 2), (1, 3)) and row["refused_splits"] == []
@@ -162,9 +162,9 @@ def test_gamma_max_splits_only_a_bipartition_the_paper_s_criterion_certifies(tmp
 def test_a_refused_split_is_logged_with_what_refused_it(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         synthetic_round(cfl(tmp_path, 4, CFLOptions(thresholds="absolute", eps1=2.0, eps2=1.0, gamma_max=0.6)),
-                        client_manager(4), 1, adding(leaning_camps(1.5)))
+                        synthetic_grid(4), 1, adding(leaning_camps(1.5)))
         outlier = {p: direction(0) * (1.5 if p < 3 else -4.5) for p in range(4)}
-        synthetic_round(cfl(tmp_path / "small", 4, replace(OPTIONS, min_cluster_size=2)), client_manager(4), 1, adding(outlier))
+        synthetic_round(cfl(tmp_path / "small", 4, replace(OPTIONS, min_cluster_size=2)), synthetic_grid(4), 1, adding(outlier))
     refusals = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "not split" in r.getMessage()]
     assert refusals == [
         "CFL round 1: cluster 0 not split: its bi-partition 2 + 2 has α_max^cross 0.3846, not below 1 - 2·γ_max² = 0.28 "
@@ -178,14 +178,14 @@ def test_a_stationary_cluster_kept_whole_with_incongruent_updates_is_a_warning_a
     bi-partition has α_max^cross ≈ −1. The row records it; at the last round the summary (and
     fedcluster run's printout) warns, naming the cluster and what kept it whole."""
     strategy = CFL(OPTIONS, make_setup(tmp_path, 4, rounds=2))
-    manager = client_manager(4)
+    manager = synthetic_grid(4)
     camps = adding(two_camps(range(4), {0, 2}, size=0.5, noise=0.01))
     synthetic_round(strategy, manager, 1, camps)
     assert strategy.splits == [] and strategy.observer.recorder.rows[0]["update_norms"]["0"]["alpha_max_cross"] < -0.99
-    assert [d["cluster"] for d in strategy.summary()["incongruent_clusters"]] == [0]
-    assert strategy.summary()["warnings"] == []  # not yet the end
+    assert [d["cluster"] for d in strategy.summary_entries()["incongruent_clusters"]] == [0]
+    assert strategy.summary_entries()["warnings"] == []  # not yet the end
     synthetic_round(strategy, manager, 2, camps)
-    summary = strategy.summary()
+    summary = strategy.summary_entries()
     (diagnosis,) = summary["incongruent_clusters"]
     assert diagnosis["round"] == 2 and diagnosis["size"] == 4 and diagnosis["children_sizes"] == [2, 2]
     assert diagnosis["kept_whole_by"] == "max update norm <= ε2"
@@ -201,11 +201,11 @@ def test_one_client_pointing_away_at_the_end_is_no_warning(tmp_path):
     """Three clients one way, one the other (α_max^cross ≈ −1, but a child of one client): a single
     noisy update cannot be told from a group of one, so it is diagnosed but not reported."""
     strategy = CFL(OPTIONS, make_setup(tmp_path, 4, rounds=1))
-    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 1, 2}, size=0.4, noise=0.01)))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(two_camps(range(4), {0, 1, 2}, size=0.4, noise=0.01)))
     diagnosis = strategy.diagnoses[0]
     assert diagnosis.children_sizes in ((3, 1), (1, 3)) and diagnosis.alpha_max_cross < -0.99
     assert diagnosis.mean_update_norm < OPTIONS.eps1 and not diagnosis.incongruent
-    assert strategy.summary()["warnings"] == []
+    assert strategy.summary_entries()["warnings"] == []
 
 
 def test_a_congruent_cluster_at_the_end_is_no_warning(tmp_path):
@@ -213,15 +213,15 @@ def test_a_congruent_cluster_at_the_end_is_no_warning(tmp_path):
     α_max^cross near 1, so nothing to warn about."""
     strategy = CFL(OPTIONS, make_setup(tmp_path, 4, rounds=1))
     rng = np.random.default_rng(0)
-    synthetic_round(strategy, client_manager(4), 1,
+    synthetic_round(strategy, synthetic_grid(4), 1,
                     adding({p: 0.3 * direction(0) + 0.01 * rng.normal(size=DIM) for p in range(4)}))
     assert strategy.splits == [] and strategy.diagnoses[0].alpha_max_cross > 0.9
-    assert strategy.summary()["incongruent_clusters"] == [] and strategy.summary()["warnings"] == []
+    assert strategy.summary_entries()["incongruent_clusters"] == [] and strategy.summary_entries()["warnings"] == []
 
 
 def test_the_warm_up_only_delays_the_split(tmp_path):
     strategy = cfl(tmp_path, 4, replace(OPTIONS, warmup_rounds=2))
-    manager = client_manager(4)
+    manager = synthetic_grid(4)
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, adding(two_camps(range(4), {0, 2})))
         assert strategy.splits == []
@@ -233,17 +233,17 @@ def test_no_split_leaves_a_child_below_min_cluster_size(tmp_path):
     # 3 + 1: the bi-partition cuts off client 3 alone, which min_cluster_size 2 refuses
     updates = {p: direction(0) * (1.5 if p < 3 else -4.5) for p in range(4)}
     strategy = cfl(tmp_path, 4, replace(OPTIONS, min_cluster_size=2))
-    synthetic_round(strategy, client_manager(4), 1, adding(updates))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(updates))
     assert strategy.splits == [] and strategy.diagnoses[0].kept_whole_by == "min_cluster_size"
     assert not (tmp_path / "cluster_tree.png").exists()  # nothing split, nothing drawn
     strategy = cfl(tmp_path / "paper", 4)  # min_cluster_size 1 (the paper): the outlier is its own cluster
-    synthetic_round(strategy, client_manager(4), 1, adding(updates))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(updates))
     assert strategy.splits[0].members == ((0, 1, 2), (3,))
 
 
 def test_exactly_twice_min_cluster_size_updates_can_split_in_halves(tmp_path):
     strategy = cfl(tmp_path, 4, replace(OPTIONS, min_cluster_size=2))
-    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(two_camps(range(4), {0, 2})))
     assert strategy.splits[0].members == ((0, 2), (1, 3))
 
 
@@ -253,7 +253,7 @@ def test_the_norm_conditions_are_strict_as_published(tmp_path, eps1, eps2):
     exactly (0, 2 at +3·e0; 1, 3 at −e0), at ε1 (first case) or at ε2 (second): no split."""
     updates = {p: (3.0 if p in (0, 2) else -1.0) * direction(0) for p in range(4)}
     strategy = cfl(tmp_path, 4, CFLOptions(thresholds="absolute", eps1=eps1, eps2=eps2))
-    synthetic_round(strategy, client_manager(4), 1, adding(updates))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(updates))
     assert strategy.norms[0] == (1.0, 3.0) and strategy.splits == []
 
 
@@ -273,9 +273,9 @@ def test_the_weighted_mean_is_the_paper_s_and_uniform_the_reference_code_s(tmp_p
         return arrays, sizes[received.pid], metrics
 
     weighted = cfl(tmp_path / "w", 4)
-    synthetic_round(weighted, client_manager(4), 1, client)
+    synthetic_round(weighted, synthetic_grid(4), 1, client)
     uniform = cfl(tmp_path / "u", 4, replace(OPTIONS, mean_update="uniform"))
-    synthetic_round(uniform, client_manager(4), 1, client)
+    synthetic_round(uniform, synthetic_grid(4), 1, client)
     assert weighted.splits and not uniform.splits  # ‖(3·2 − 3·2)/6‖ ~ 0 < ε1; ‖(2 − 6)/4‖ = 1 > ε1
 
 
@@ -290,7 +290,7 @@ def test_the_cluster_s_aggregate_moves_by_the_split_test_s_mean_update(tmp_path,
 
     strategy = cfl(tmp_path, 4, replace(OPTIONS, mean_update=mean_update, warmup_rounds=5))
     sent = flat(strategy.models[0])
-    synthetic_round(strategy, client_manager(4), 1, client)
+    synthetic_round(strategy, synthetic_grid(4), 1, client)
     weights = np.array([sizes[p] for p in range(4)] if mean_update == "weighted" else [1.0] * 4)
     expected_step = (weights / weights.sum()) @ np.stack([updates[p] for p in range(4)])
     np.testing.assert_allclose(flat(strategy.models[0]) - sent, expected_step, atol=1e-6)
@@ -317,7 +317,7 @@ def test_the_optimal_bipartition_minimises_the_largest_cross_similarity():
 
 def test_complete_linkage_is_the_reference_code_s_option(tmp_path):
     strategy = cfl(tmp_path, 4, replace(OPTIONS, bipartition="complete"))
-    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {1, 2})))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(two_camps(range(4), {1, 2})))
     assert strategy.splits[0].members == ((0, 3), (1, 2))
 
 
@@ -328,7 +328,7 @@ def test_a_split_of_a_sub_cluster_maps_its_indices_to_global_client_ids(tmp_path
     """Sattler et al.'s code (and FL-bench's copy) took the bi-partition's indices into the
     sub-matrix of a cluster for client ids; here cluster members are [3, 7, 11, 14]."""
     members = (3, 7, 11, 14)
-    manager = client_manager(16)
+    manager = synthetic_grid(16)
     strategy = cfl(tmp_path, 16)
     first_round = two_camps(range(16), set(members), size=2.0)
     first_round |= {p: 3 * first_round[p] for p in members}  # 4 · 6 against 12 · 2: the mean ~0
@@ -350,7 +350,7 @@ def test_a_split_of_a_sub_cluster_maps_its_indices_to_global_client_ids(tmp_path
 
 def test_the_children_start_from_the_parent_s_model_and_take_only_their_members_updates(tmp_path):
     strategy = cfl(tmp_path, 4)
-    manager = client_manager(4)
+    manager = synthetic_grid(4)
     warm = {p: 2.0 * direction(3) for p in range(4)}  # no split: mean large
     synthetic_round(strategy, manager, 1, adding(warm))
     parent = flat(strategy.models[0])
@@ -371,7 +371,7 @@ def test_the_children_start_from_the_parent_s_model_and_take_only_their_members_
 
 def test_a_member_without_an_update_in_the_split_round_is_placed_among_the_children(tmp_path):
     strategy = cfl(tmp_path, 5)
-    manager = client_manager(5)
+    manager = synthetic_grid(5)
     updates = two_camps(range(5), {0, 2, 4})
     synthetic_round(strategy, manager, 1, adding(updates), fail={4})
     (split,) = strategy.splits
@@ -384,7 +384,7 @@ def test_a_member_without_an_update_in_the_split_round_is_placed_among_the_child
 
 
 def test_the_state_round_trip_continues_identically(tmp_path):
-    manager = client_manager(6)
+    manager = synthetic_grid(6)
     strategy = cfl(tmp_path / "a", 6)
     updates = two_camps(range(6), {0, 1, 5})
     synthetic_round(strategy, manager, 1, adding(updates), fail={5})
@@ -400,7 +400,7 @@ def test_the_state_round_trip_continues_identically(tmp_path):
     for each in (strategy, copy):
         synthetic_round(each, manager, 2, adding(updates))
     assert_same_state(copy.state_dict(), strategy.state_dict())
-    summary = strategy.summary()
+    summary = strategy.summary_entries()
     assert summary["first_split_round"] == 1 and summary["splits"][0]["children"] == [1, 2]
     assert set(strategy.artifacts()) == {"cluster_tree.png"}
     strategy.artifacts()["cluster_tree.png"](tmp_path / "tree.png")
@@ -409,7 +409,7 @@ def test_the_state_round_trip_continues_identically(tmp_path):
 
 def test_round_rows_record_the_norms_and_the_splits(tmp_path):
     strategy = cfl(tmp_path, 4, true=[0, 1, 0, 1])
-    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(two_camps(range(4), {0, 2})))
     (row,) = strategy.observer.recorder.rows
     assert set(row["update_norms"]) == {"0"} and row["update_norms"]["0"]["max"] > OPTIONS.eps2
     assert row["splits"][0]["members"] == [[0, 2], [1, 3]] and row["num_splits"] == 1
@@ -518,7 +518,7 @@ def test_a_checkpoint_split_before_relative_thresholds_existed_is_not_resumed_as
     """Its splits followed the absolute ε and it holds no update scale S: resumed under relative
     thresholds ε would be 0 and no cluster would split again, so the resume says what to set."""
     strategy = cfl(tmp_path / "a", 4)
-    synthetic_round(strategy, client_manager(4), 1, adding(two_camps(range(4), {0, 2})))
+    synthetic_round(strategy, synthetic_grid(4), 1, adding(two_camps(range(4), {0, 2})))
     old = deepcopy(strategy.state_dict())
     del old["norm_scale"]
     with pytest.raises(ConfigError, match=r"^strategy\.thresholds: .*thresholds: absolute"):

@@ -18,7 +18,7 @@ from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.checkpoints import load_checkpoint
 
 STOP_AFTER = {

@@ -139,7 +139,7 @@ def in_process_runs(monkeypatch, stop_in=None):
     Ray); with ``stop_in``, the run of that strategy stops after round 1 as a Ctrl-C there would."""
     import signal
 
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.apps.server_app import run_in_process
 
     calls = []
 
@@ -211,7 +211,7 @@ def test_a_stopped_compare_is_completed_on_another_engine(tmp_path, monkeypatch)
 
 def test_a_checkpoint_copied_in_from_another_run_is_named_not_the_config(tmp_path):
     """Real checkpoints (written by the in-process driver) carry their round's row digest."""
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.apps.server_app import run_in_process
     from fedcluster_flwr.config import load_config, parse_override
     from fedcluster_flwr.schema import ConfigError
 

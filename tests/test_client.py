@@ -1,4 +1,5 @@
-"""ClusterClient: local training, train_select, evaluation and fault injection on real digits data."""
+"""The ClientApp and ClusterClient: local training, train_select, evaluation and fault injection on
+real digits data, each asked through Flower messages on an in-process grid."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
-from fedcluster_flwr.client import SimulatedClientFailure
+from fedcluster_flwr.apps.client_app import FedclusterClientApp
 from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of, partition_node_configs
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
 from fedcluster_flwr.algorithms.base.selection import TRAIN_SELECT
 from fedcluster_flwr.training import get_weights
@@ -23,21 +26,32 @@ def config(*overrides: str):
     return load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])[0]
 
 
-def packed(blocks):
-    """Flower's flat list of arrays for ``blocks``, as the client receives it, and its layout."""
-    parameters, layout = protocol.pack_parameters(blocks)
-    return protocol.parameters_to_arrays(parameters), layout
+class ClientFailed(Exception):
+    """The ClientApp's error reply, as an exception (its reason is the client's exception, in one line)."""
 
 
-def fit(client, task, rnd, *models, layout=None):
-    """Send ``models`` as the ``models`` block of a ``task`` instruction in round ``rnd``."""
-    arrays, packed_layout = packed({protocol.MODELS: list(models)})
-    return client.fit(arrays, protocol.instruction_config(task, rnd, layout or packed_layout, {}))
+def send(grid, pid, task, rnd, blocks, extra=None):
+    """Client ``pid``'s reply to a ``task`` instruction of round ``rnd`` carrying ``blocks``."""
+    content = task.instruction(blocks, extra or {}, rnd)
+    (reply,) = grid.send_and_receive([Message(content, node_id_of(pid), task.message_type)])
+    if reply.has_error():
+        raise ClientFailed(reply.error.reason)
+    return reply.content
 
 
-def evaluate(client, weights):
-    arrays, layout = packed({protocol.MODELS: [weights]})
-    return client.evaluate(arrays, protocol.instruction_config(protocol.EVALUATE, 1, layout, {}))
+def fit(grid, pid, task, rnd, *models):
+    """Send ``models`` (the one model of ``train``, or the ``models`` block) to client ``pid``; its
+    arrays, example count and metrics back."""
+    block = protocol.MODEL if task is protocol.TRAIN else protocol.MODELS
+    content = send(grid, pid, task, rnd, {block: list(models)})
+    metrics = dict(content[protocol.METRICS])
+    arrays = protocol.record_arrays(content[protocol.MODEL]) if protocol.MODEL in content else []
+    return arrays, metrics.pop(protocol.NUM_EXAMPLES), metrics
+
+
+def evaluate(grid, pid, weights):
+    metrics = dict(send(grid, pid, protocol.EVALUATE, 1, {protocol.MODEL: [weights]})[protocol.METRICS])
+    return metrics.pop(protocol.TEST_LOSS), metrics.pop(protocol.NUM_EXAMPLES), metrics
 
 
 @pytest.fixture(scope="module")
@@ -45,101 +59,121 @@ def cfg():
     return config("client.epochs=3", "simulation.fail_fit={2: [4]}")
 
 
-def test_properties_identify_the_partition(cfg):
+@pytest.fixture(scope="module")
+def grid(cfg):
+    return InProcessGrid(FedclusterClientApp(cfg, keep_clients=True), partition_node_configs(cfg.partition.num_clients))
+
+
+def test_identify_tells_the_partition(cfg, grid):
+    content = RecordDict({protocol.CONFIG: ConfigRecord({protocol.ROUND_KEY: 1})})
+    (reply,) = grid.send_and_receive([Message(content, node_id_of(3), protocol.IDENTIFY.message_type)])
+    assert dict(reply.content[protocol.METRICS]) == {"partition_id": 3, "num_partitions": cfg.partition.num_clients,
+                                                      "own_data": 0}
     client = make_client(cfg, 3, cfg.partition.num_clients)
-    props = client.get_properties({})
-    assert props == {"partition_id": 3, "num_partitions": cfg.partition.num_clients}
     _, partition = experiment_data(cfg)
     assert client.num_train == len(partition.train_indices[3])
     assert len(client.data.y_test) == len(partition.test_indices[3])
 
 
-def test_fit_trains_and_lowers_the_training_loss(cfg):
-    client = make_client(cfg, 0, cfg.partition.num_clients)
+def test_fit_trains_and_lowers_the_training_loss(cfg, grid):
     start = initial_weights(cfg)
-    weights, num_examples, metrics = fit(client, protocol.TRAIN, 1, start)
+    weights, num_examples, metrics = fit(grid, 0, protocol.TRAIN, 1, start)
     assert [w.shape for w in weights] == [w.shape for w in start]
-    assert num_examples == client.num_train
+    assert num_examples == make_client(cfg, 0, cfg.partition.num_clients).num_train
     assert list(metrics) == ["train_loss"]
-    loss_before, _, _ = evaluate(client, start)
-    loss_after, _, result = evaluate(client, weights)
+    loss_before, _, _ = evaluate(grid, 0, start)
+    loss_after, _, result = evaluate(grid, 0, weights)
     assert loss_after < loss_before
     assert 0.0 <= result["accuracy"] <= 1.0
 
 
-def test_fit_is_reproducible_for_a_round_and_differs_across_rounds(cfg):
-    client = make_client(cfg, 1, cfg.partition.num_clients)
+def test_fit_is_reproducible_for_a_round_and_differs_across_rounds(cfg, grid):
     start = initial_weights(cfg)
-    first, _, _ = fit(client, protocol.TRAIN, 5, start)
-    again, _, _ = fit(client, protocol.TRAIN, 5, start)
-    other, _, _ = fit(client, protocol.TRAIN, 6, start)
+    first, _, _ = fit(grid, 1, protocol.TRAIN, 5, start)
+    again, _, _ = fit(grid, 1, protocol.TRAIN, 5, start)
+    other, _, _ = fit(grid, 1, protocol.TRAIN, 6, start)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
 
 
-def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg):
-    client = make_client(cfg, 0, cfg.partition.num_clients)
+def test_two_clients_train_the_same_model_on_their_own_data_orders(cfg):
+    """Each client's randomness stream is its own: two clients that held the same data would still see
+    their batches in another order (the seed is (run seed, round, partition id))."""
+    twin = make_client(cfg, 1, cfg.partition.num_clients)
+    twin.pid = 0  # client 1's data under client 0's stream
+    one = make_client(cfg, 1, cfg.partition.num_clients)
+    start = initial_weights(cfg)
+    models = [client.load_model(start) for client in (one, twin)]
+    for client, model in zip((one, twin), models):
+        client.train_model(model, 1)
+    assert not all(np.array_equal(a, b) for a, b in zip(get_weights(models[0]), get_weights(models[1])))
+
+
+def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg, grid):
     untrained = initial_weights(cfg)
     trained = untrained
     for rnd in range(1, 4):
-        trained, _, _ = fit(client, protocol.TRAIN, rnd, trained)
-    weights, _, metrics = fit(client, TRAIN_SELECT, 9, untrained, trained, untrained)
+        trained, _, _ = fit(grid, 0, protocol.TRAIN, rnd, trained)
+    weights, _, metrics = fit(grid, 0, TRAIN_SELECT, 9, untrained, trained, untrained)
     assert metrics["selected"] == 1
     assert metrics["loss_1"] < metrics["loss_0"] == pytest.approx(metrics["loss_2"])
     assert [w.shape for w in weights] == [w.shape for w in untrained]
 
 
-def test_wrongly_packed_parameters_are_refused(cfg):
-    client = make_client(cfg, 0, cfg.partition.num_clients)
-    n = len(initial_weights(cfg))
-    with pytest.raises(protocol.ProtocolError, match=f"layout 'models=2x{n}' needs more than the {n} arrays"):
-        fit(client, TRAIN_SELECT, 1, initial_weights(cfg), layout=f"models=2x{n}")
+def test_a_malformed_instruction_is_the_clients_failure_naming_what_is_wrong(cfg, grid):
+    content = TRAIN_SELECT.instruction({protocol.MODELS: [initial_weights(cfg)]}, {}, 1)
+    content["models.3"] = content.pop(protocol.MODELS)
+    (reply,) = grid.send_and_receive([Message(content, node_id_of(0), TRAIN_SELECT.message_type)])
+    assert reply.error.reason == "ProtocolError: task 'train_select': block 'models' must travel as ['models'], got ['models.3']"
 
 
-def test_unknown_task_is_refused(cfg):
-    client = make_client(cfg, 0, cfg.partition.num_clients)
-    arrays, layout = packed({protocol.MODELS: [initial_weights(cfg)]})
-    with pytest.raises(protocol.ProtocolError, match="task 'dance' is unknown; this client handles train, evaluate, ") as err:
-        client.fit(arrays, {protocol.TASK_KEY: "dance", protocol.ROUND_KEY: 1, protocol.LAYOUT_KEY: layout})
-    assert "gossip_train" in str(err.value)  # the families were loaded before it said so
+def test_an_unknown_task_is_refused_by_flowers_routing(cfg, grid):
+    content = RecordDict({protocol.CONFIG: ConfigRecord({protocol.ROUND_KEY: 1})})
+    (reply,) = grid.send_and_receive([Message(content, node_id_of(0), "train.dance")])
+    assert reply.has_error() and "No train function registered with name 'dance'" in reply.error.reason
 
 
-def test_a_client_loads_the_families_for_a_task_it_has_no_handler_for_yet():
+def test_the_client_app_serves_every_registered_task_under_its_message_type():
     """No import-order trap: in a fresh process the client module alone registers only the two
-    tasks every family uses; a client built by experiment.make_client that receives another task
-    loads the families (the registry) and takes that task to its own instruction check (here: what
-    the empty instruction lacks), as it does every task the families registered."""
+    tasks every family uses; the ClientApp loads the families and registers an action for each
+    task they declare, under the task's message type, each taking the task to its own instruction
+    check (here: what the empty instruction lacks)."""
     code = (
         "import json\n"
         "import fedcluster_flwr.client\n"
         "from fedcluster_flwr import registry\n"
         "before = list(registry.HANDLERS)\n"
+        "from flwr.app import ConfigRecord, Message, RecordDict\n"
+        "from fedcluster_flwr.apps.client_app import FedclusterClientApp\n"
         "from fedcluster_flwr.config import load_config\n"
-        "from fedcluster_flwr.experiment import make_client\n"
-        "from fedcluster_flwr.protocol import LAYOUT_KEY, ROUND_KEY, TASK_KEY, ProtocolError\n"
+        "from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of, partition_node_configs\n"
         f"config, _ = load_config({str(DEFAULT_CONFIG)!r})\n"
-        "client = make_client(config, 0, config.partition.num_clients)\n"
+        "app = FedclusterClientApp(config)\n"
+        "grid = InProcessGrid(app, partition_node_configs(config.partition.num_clients))\n"
         "answers = {}\n"
-        "for name in ['gossip_train', *registry.HANDLERS]:\n"
-        "    try:\n"
-        "        client.fit([], {TASK_KEY: name, ROUND_KEY: 1, LAYOUT_KEY: ''})\n"
-        "    except ProtocolError as err:\n"
-        "        answers[name] = str(err)\n"
-        "print(json.dumps({'before': before, 'tasks': list(registry.HANDLERS), 'answers': answers}))\n"
+        "for name, (task, _) in registry.HANDLERS.items():\n"
+        "    content = RecordDict({'config': ConfigRecord({'server-round': 1})})\n"
+        "    (reply,) = grid.send_and_receive([Message(content, node_id_of(0), task.message_type)])\n"
+        "    answers[name] = reply.error.reason\n"
+        "print(json.dumps({'before': before, 'tasks': list(registry.HANDLERS), 'answers': answers,\n"
+        "                  'types': sorted(app._registered_funcs)}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["before"] == ["train", "evaluate"]
     assert {"train_select", "select", "gram_eigen", "relevance", "gossip_train"} <= set(result["tasks"])
+    assert {"train.default", "evaluate.default", "query.identify", "train.train_select", "query.select",
+            "query.gram_eigen", "query.relevance", "train.gossip_train"} <= set(result["types"])
     for name in result["tasks"]:
-        assert result["answers"][name].startswith(f"task {name!r}: missing ["), result["answers"][name]
+        assert result["answers"][name].startswith(f"ProtocolError: task {name!r}: missing ["), result["answers"][name]
 
-def test_fault_injection_raises_only_in_its_rounds(cfg):
-    client = make_client(cfg, 2, cfg.partition.num_clients)
-    with pytest.raises(SimulatedClientFailure):
-        fit(client, protocol.TRAIN, 4, initial_weights(cfg))
-    fit(client, protocol.TRAIN, 3, initial_weights(cfg))
+
+def test_fault_injection_fails_only_in_its_rounds(cfg, grid):
+    with pytest.raises(ClientFailed, match="SimulatedClientFailure: client 2 fails in round 4"):
+        fit(grid, 2, protocol.TRAIN, 4, initial_weights(cfg))
+    fit(grid, 2, protocol.TRAIN, 3, initial_weights(cfg))
+    evaluate(grid, 2, initial_weights(cfg))  # evaluation never fails on purpose
 
 
 def test_label_swapped_clients_see_their_group_labels(cfg):

@@ -13,7 +13,7 @@ from fedcluster_flwr import protocol
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
-from fedcluster_flwr.protocol import MODELS
+from fedcluster_flwr.protocol import MODEL, MODELS
 from fedcluster_flwr.algorithms.dac.math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
 from fedcluster_flwr.algorithms.dac.pens import PENS
 from fedcluster_flwr.algorithms.dac.strategy import (
@@ -21,7 +21,7 @@ from fedcluster_flwr.algorithms.dac.strategy import (
 )
 from fedcluster_flwr.algorithms.baselines.strategy import LocalOnly, LocalOptions
 from fedcluster_flwr.algorithms.dac.tasks import GOSSIP_TRAIN, MERGE_LOWEST_KEY, SAMPLES_KEY, merge_neighbours_and_train
-from helpers import connect_test_run, Received, SyntheticClient, client_manager, constant_model, synthetic_round, flat, make_setup, random_weights
+from helpers import connect_test_run, Received, SyntheticClient, synthetic_grid, constant_model, synthetic_round, flat, make_setup, random_weights
 
 N = 8
 TRUE = np.array([0, 0, 0, 0, 0, 0, 1, 1])
@@ -78,7 +78,7 @@ def test_a_very_large_tau_picks_the_most_similar_clients(tmp_path):
 
 def test_round_one_is_uniform_and_the_relay_records_one_over_loss(tmp_path):
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=3))
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
     before = {p: flat(m).copy() for p, m in strategy.client_models.items()}
     received = synthetic_round(strategy, manager, 1, gossip_client())
     assert set(received) == set(range(N))  # client_fraction 1.0
@@ -112,7 +112,7 @@ def test_two_hop_lends_the_most_similar_neighbours_estimate():
 
 def test_dac_samples_the_own_cluster_once_similarities_are_known(tmp_path):
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=2, tau=50.0))
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
     for rnd in range(1, 11):
         synthetic_round(strategy, manager, rnd, gossip_client())
     assert strategy.met[6, 7] and strategy.similarity[6, 7] == 1.0 and strategy.similarity[6, 0] == 0.5
@@ -123,7 +123,7 @@ def test_dac_samples_the_own_cluster_once_similarities_are_known(tmp_path):
 
 def test_a_client_that_has_not_joined_is_never_a_neighbour(tmp_path):
     strategy = gossip(RandomGossip, tmp_path, GossipOptions(num_neighbours=3), join_round={5: 3})
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
     for rnd in (1, 2):
         received = synthetic_round(strategy, manager, rnd, gossip_client())
         assert 5 not in received and all(5 not in client.peers for client in received.values())
@@ -153,7 +153,7 @@ def test_dac_var_centred_scores_and_records_the_tau_of_the_server_round(tmp_path
     for order in ("synchronous", "sequential"):
         options = DACVarOptions(num_neighbours=2, tau_max=30.0, tau_schedule="centred", round_order=order)
         strategy = gossip(DACVar, tmp_path / order, options, rounds=20)
-        manager = client_manager(N)
+        manager = synthetic_grid(N)
         for rnd in (1, 2, 3):
             synthetic_round(strategy, manager, rnd, gossip_client())
         rows = [json.loads(line) for line in (tmp_path / order / "rounds.jsonl").read_text().splitlines()]
@@ -211,7 +211,7 @@ def test_dac_var_draws_each_exchange_with_the_tau_of_the_one_before(tmp_path):
     """After the pretraining round, exchange e (0-based) draws with τ(e − 1): the weights the
     reference code's client computed at the end of its previous exchange (the first draws uniformly)."""
     strategy = gossip(DACVar, tmp_path, DACVarOptions(num_neighbours=2, tau_max=30.0), pretrained=False, rounds=8)
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
     for rnd in range(1, 9):
         synthetic_round(strategy, manager, rnd, gossip_client())
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
@@ -237,7 +237,7 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
     nobody's neighbour until then."""
     strategy = gossip(DAC, tmp_path, DACOptions(num_neighbours=2, pretrain_epochs=epochs), pretrained=False,
                       join_round={5: 3})
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
     before = {p: flat(m).copy() for p, m in strategy.client_models.items()}
     first = synthetic_round(strategy, manager, 1, gossip_client())
     assert sorted(first) == [p for p in range(N) if p != 5]
@@ -262,7 +262,7 @@ def test_every_client_pretrains_alone_before_the_first_exchange_and_only_then(tm
 
 def test_without_pretraining_round_one_exchanges_untrained_models(tmp_path):
     strategy = gossip(RandomGossip, tmp_path, GossipOptions(pretrain_epochs=0), pretrained=False)
-    received = synthetic_round(strategy, client_manager(N), 1, gossip_client())
+    received = synthetic_round(strategy, synthetic_grid(N), 1, gossip_client())
     assert {client.task for client in received.values()} == {GOSSIP_TRAIN.name}
 
 
@@ -281,8 +281,8 @@ def test_a_train_instruction_with_epochs_trains_for_that_many_epochs():
     client = make_client(config, 0, config.partition.num_clients)
     client.compute = RecordingCompute()
     model = initial_weights(config)
-    train_received_model(client, TaskInput(1, {MODELS: [model]}, {}))
-    train_received_model(client, TaskInput(1, {MODELS: [model]}, {protocol.EPOCHS_KEY: 5}))
+    train_received_model(client, TaskInput(1, {MODEL: [model]}, {}))
+    train_received_model(client, TaskInput(1, {MODEL: [model]}, {protocol.EPOCHS_KEY: 5}))
     assert seen == [config.client.epochs, 5]
 
 
@@ -324,7 +324,7 @@ def test_local_never_receives_another_clients_model(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, N))
     for pid in range(N):
         strategy.client_models[pid] = constant_model(pid)
-    received = synthetic_round(strategy, client_manager(N), 1, gossip_client())
+    received = synthetic_round(strategy, synthetic_grid(N), 1, gossip_client())
     assert sorted(received) == list(range(N))
     for pid, client in received.items():
         (model,) = client.models
@@ -359,7 +359,7 @@ def test_a_validation_split_is_held_out_of_training_and_selects_the_reported_mod
     assert without.val_indices == ()
 
     strategy = gossip(RandomGossip, tmp_path, GossipOptions())
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
     for rnd, (val_loss, accuracy) in enumerate([(0.9, 0.5), (0.4, 0.7), (0.6, 0.9)], start=1):
         reported = {protocol.ACCURACY: accuracy, protocol.VAL_LOSS: val_loss}
         synthetic_round(strategy, manager, rnd, gossip_client(), evaluate=lambda pid, model, reported=reported: (0.5, reported))
@@ -376,7 +376,7 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
     """Selection rounds: n = 3 random peers, the m = 1 of lowest loss merged and counted. Then each
     client draws only from the peers it kept more than (m / N) · selection_rounds = 1/8 · 3 times."""
     strategy = gossip(PENS, tmp_path, PENSOptions(num_neighbours=3, num_kept=1, selection_rounds=3))
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
 
     def loss(i, j):  # own cluster lower; ties broken by id so the lowest is unique
         return 1.0 + abs(int(TRUE[i]) - int(TRUE[j])) + 0.01 * j
@@ -397,7 +397,7 @@ def test_pens_keeps_the_lowest_loss_peers_then_gossips_only_with_those_kept_more
             assert set(client.peers) <= kept and len(client.peers) == min(3, len(kept))
             assert MERGE_LOWEST_KEY not in client.config  # every drawn peer is merged
     assert json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["phase"] == "pens_gossip"
-    summary = strategy.summary()
+    summary = strategy.summary_entries()
     assert summary["neighbour_sets"] == [np.flatnonzero(row).tolist() for row in expected > 1 / N * 3]
     for cluster in np.unique(TRUE):
         kept = (expected > 1 / N * 3)[TRUE == cluster]
@@ -412,7 +412,7 @@ def test_pens_selection_candidates_draws_more_peers_while_selecting_and_num_neig
     others every client sees its whole cluster, so it keeps only peers of its own cluster."""
     options = PENSOptions(num_neighbours=1, num_kept=1, selection_rounds=2, selection_candidates=N - 1)
     strategy = gossip(PENS, tmp_path, options)
-    manager = client_manager(N)
+    manager = synthetic_grid(N)
     for rnd in (1, 2):
         for pid, client in synthetic_round(strategy, manager, rnd, gossip_client(loss_by_true_cluster)).items():
             assert len(client.peers) == N - 1 and client.config[MERGE_LOWEST_KEY] == 1
@@ -493,7 +493,7 @@ def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_p
     assert shapes[0] == shapes[1]
 
     strategy = gossip(RandomGossip, tmp_path / "run", GossipOptions(num_neighbours=2), cluster_names=("upright", "rotated"))
-    synthetic_round(strategy, client_manager(N), 1, gossip_client())
+    synthetic_round(strategy, synthetic_grid(N), 1, gossip_client())
     connect_test_run(strategy).recorder.write_artifacts(strategy.artifacts())
     assert matplotlib.image.imread(tmp_path / "run" / "communication.png").shape == shapes[0]
 
@@ -506,7 +506,7 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
                          (PENS, PENSOptions(num_neighbours=3, num_kept=1, selection_rounds=2))):
         folder = tmp_path / cls.name
         strategy = gossip(cls, folder, options, pretrained=False, checkpoint_every=1)
-        manager = client_manager(N)
+        manager = synthetic_grid(N)
         for rnd in (1, 2, 3, 4):
             synthetic_round(strategy, manager, rnd, gossip_client())
         resumed = gossip(cls, tmp_path / f"{cls.name}_resumed", options, pretrained=False)
@@ -524,7 +524,7 @@ def test_the_relays_state_survives_a_checkpoint(tmp_path):
 def test_pens_and_the_reference_two_hop_run_on_real_clients(tmp_path):
     """PENS and DAC with the reference code's two-hop estimates, end to end on real digits clients
     (in process): pretraining, selection with merge_lowest, gossip among the kept; nothing refused."""
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.apps.server_app import run_in_process
 
     settings = ("rounds=6", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[14,6]",
                 "strategy.client_fraction=1.0", "strategy.num_neighbours=3", "client.epochs=1")

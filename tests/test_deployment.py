@@ -448,7 +448,7 @@ SIMULATE = """
 import sys
 from pathlib import Path
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 overrides = [parse_override(item) for item in sys.argv[2].split()]
 config, _ = load_config(sys.argv[1], overrides)
 run_in_process(config, Path(sys.argv[3]))

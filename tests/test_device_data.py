@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, Context, GetPropertiesRes, RecordDict, Status
+from flwr.app import Context, RecordDict
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.cli import main
-from fedcluster_flwr.client_app import make_client_fn
+from fedcluster_flwr.apps.client_app import FedclusterClientApp
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.data import DataError
 from fedcluster_flwr.data.device import NodeConfigError, load_device_data, node_data_source
@@ -19,7 +19,7 @@ from fedcluster_flwr.data.sources import InputFormat, input_format
 from fedcluster_flwr.export import config_hash, export_partitions
 from fedcluster_flwr.experiment import client_data
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
-from helpers import FakeProxy, constant_model, synthetic_round, make_setup
+from helpers import SyntheticGrid, SyntheticNode, constant_model, synthetic_round, make_setup
 
 THREE_CLIENTS = [("partition.num_clients", 3)]
 
@@ -166,47 +166,30 @@ def test_a_bad_node_config_is_one_clear_error(node_config, message):
         node_data_source(node_config)
 
 
-def test_client_fn_builds_a_data_dir_client_that_reports_its_id_size_and_cluster(tmp_path):
+def test_the_client_app_builds_a_data_dir_client_that_reports_its_id_size_and_cluster(tmp_path):
     config, _ = load_config(DEFAULT_CONFIG, THREE_CLIENTS)
     export_partitions(config, tmp_path)
-    client_fn = make_client_fn()
-    client = client_fn(context({"data-dir": str(tmp_path / "client_2"), "client-id": 2, "cluster-id": 2},
-                               "partition.num_clients=3")).numpy_client
-    assert client.get_properties({}) == {"partition_id": 2, "num_partitions": 3, "data_source": "data-dir",
-                                         "train_examples": len(client_data(config, 2).y_train), "true_cluster": 2}
-    anonymous = client_fn(context({"data-dir": str(tmp_path / "client_0"), "client-id": 0},
-                                  "partition.num_clients=3")).numpy_client
-    assert "true_cluster" not in anonymous.get_properties({})
+    app = FedclusterClientApp()
+    client = app.client(context({"data-dir": str(tmp_path / "client_2"), "client-id": 2, "cluster-id": 2},
+                                "partition.num_clients=3"))
+    assert client.identity() == {"partition_id": 2, "num_partitions": 3, "own_data": 1,
+                                 "train_examples": len(client_data(config, 2).y_train), "true_cluster": 2}
+    anonymous = app.client(context({"data-dir": str(tmp_path / "client_0"), "client-id": 0}, "partition.num_clients=3"))
+    assert anonymous.identity()["true_cluster"] == -1  # the device does not know it
     with pytest.raises(ValueError, match="client-id 5 is outside 0..2"):
-        client_fn(context({"data-dir": str(tmp_path / "client_0"), "client-id": 5}, "partition.num_clients=3"))
+        app.client(context({"data-dir": str(tmp_path / "client_0"), "client-id": 5}, "partition.num_clients=3"))
 
 
-class DeviceProxy(FakeProxy):
-    """A registered client on its own data: it reports its size and, if given, its true cluster."""
-
-    def __init__(self, cid, pid, num_partitions, examples, cluster=None):
-        super().__init__(cid, pid, num_partitions)
-        self.facts = {"data_source": "data-dir", "train_examples": examples}
-        if cluster is not None:
-            self.facts["true_cluster"] = cluster
-
-    def get_properties(self, ins, timeout, group_id):
-        answer = super().get_properties(ins, timeout, group_id)
-        return GetPropertiesRes(Status(Code.OK, ""), answer.properties | self.facts)
-
-
-def federation(*proxies):
-    from flwr.server.client_manager import SimpleClientManager
-
-    manager = SimpleClientManager()
-    for proxy in proxies:
-        manager.register(proxy)
-    return manager
+def device(name, pid, num_partitions, examples, cluster=None):
+    """A node on its own data: it tells its size and, if given, its true cluster."""
+    facts = {"partition_id": pid, "num_partitions": num_partitions, "own_data": 1, "train_examples": examples,
+             "true_cluster": -1 if cluster is None else cluster}
+    return SyntheticNode(name, pid, num_partitions, identify=lambda: facts)
 
 
 def test_a_device_without_a_cluster_id_makes_the_true_cluster_scores_unavailable_not_zero(tmp_path):
     strategy = FedAvg(FractionOptions(client_fraction=1.0), make_setup(tmp_path, 3, true=[0, 1, 1]))
-    manager = federation(FakeProxy("a", 0, 3), FakeProxy("b", 1, 3), DeviceProxy("c", 2, 3, examples=50))
+    manager = SyntheticGrid([SyntheticNode("a", 0, 3), SyntheticNode("b", 1, 3), device("c", 2, 3, examples=50)])
     synthetic_round(strategy, manager, 1, lambda c: (constant_model(1.0), 10, {}))
     row = strategy.observer.recorder.rows[-1]
     assert row["purity"] is None and row["ari"] is None and row["nmi"] is None
@@ -218,7 +201,7 @@ def test_a_device_without_a_cluster_id_makes_the_true_cluster_scores_unavailable
 
 def test_a_device_with_a_cluster_id_is_scored_with_it_and_its_size_bounds_its_replies(tmp_path):
     strategy = FedAvg(FractionOptions(client_fraction=1.0), make_setup(tmp_path, 3, true=[0, 0, 0], train_sizes=[10, 10, 10]))
-    manager = federation(FakeProxy("a", 0, 3), FakeProxy("b", 1, 3), DeviceProxy("c", 2, 3, examples=50, cluster=1))
+    manager = SyntheticGrid([SyntheticNode("a", 0, 3), SyntheticNode("b", 1, 3), device("c", 2, 3, examples=50, cluster=1)])
     synthetic_round(strategy, manager, 1, lambda c: (constant_model(1.0), 40 if c.pid == 2 else 10, {}))
     row = strategy.observer.recorder.rows[-1]
     assert row["rejected_updates"] == 0  # 40 examples: over the partition's 10, within the device's 50

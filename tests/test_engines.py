@@ -21,7 +21,7 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.engines import batched as batched_module
 from fedcluster_flwr.engines.batched import Rendezvous, Request
 from fedcluster_flwr.engines.stacked import ClientBatchData, evaluate_stacked, train_stacked
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.models import build_model
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.training import TrainSettings, evaluate, train

@@ -17,7 +17,7 @@ from fedcluster_flwr import registry
 from fedcluster_flwr.client import TaskInput, TaskOutput
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
 from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.options_builder import from_mapping
@@ -93,7 +93,7 @@ class ProbeStrategy(ClusteredStrategy):
     def round_metrics(self, server_round):
         return {"probe_taken": self.steps[-1]}
 
-    def summary(self):
+    def summary_entries(self):
         return {"steps": self.steps}
 
     def artifacts(self):

@@ -9,7 +9,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import Faults
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.schema import ConfigError
 
 

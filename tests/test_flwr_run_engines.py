@@ -12,18 +12,16 @@ import subprocess
 import sys
 
 import pytest
-from flwr.common import Context, RecordDict
+from flwr.app import Context, RecordDict
 from flwr.common.logger import FLOWER_LOGGER
 from flwr.superlink.grid import InMemoryGrid
 from flwr.superlink.grid.http_grid import HttpGrid
 
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engines.flwr_run import runs_here
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import FLWR_RUN_LOG_FILTER, RunConfigError, app, run_in_process, runs_here
 from fedcluster_flwr.run_files import format_summary, read_rounds, read_summary
 from fedcluster_flwr.schema import ConfigError
-from fedcluster_flwr.server_app import FLWR_RUN_LOG_FILTER, RunConfigError, app
 from helpers import rows_without_timing
 
 SMALL = {"rounds": 2, "partition.num_clients": 6, "strategy.name": "fedavg", "set": "strategy.client_fraction=0.5"}
@@ -78,7 +76,9 @@ def test_on_the_simulations_grid_the_serverapp_gives_fedcluster_runs_rounds(tmp_
     messages = [r.getMessage() for r in caplog.records]
     (run_dir,) = (tmp_path / "flwr").iterdir()
     assert run_dir.name.endswith("_fedavg_digits_label_swap_run42")
-    assert [m.split(" fedcluster:")[0] for m in messages if m.startswith("[ROUND ")] == ["[ROUND 1]", "[ROUND 2]"]
+    assert [m for m in messages if m.startswith("[ROUND ")] == ["[ROUND 1/2]", "[ROUND 2/2]"]
+    assert [m.split(": mean")[0] for m in messages if m.startswith("fedcluster: round ")] == [
+        "fedcluster: round 1", "fedcluster: round 2"]
     expected = format_summary(read_summary(run_dir), run_dir).splitlines()
     assert messages[-len(expected):] == expected  # the lifespan's summary, as on the Ray path
     config, _ = load_config(DEFAULT_CONFIG, [("rounds", 2), ("partition.num_clients", 6), ("strategy.name", "fedavg"),
@@ -104,7 +104,7 @@ def test_flwr_run_with_the_batched_engine_gives_fedcluster_runs_rounds(tmp_path)
         run_id = re.search(r"Successfully started run (\d+)", run.stdout).group(1)
         status = json.dumps(json.loads(flwr("ls", "e2e", "--run-id", run_id, "--format", "json").stdout))
         assert "finished:completed" in status, run.stdout + run.stderr
-        assert "[ROUND 30] fedcluster: mean client accuracy" in run.stdout and "Traceback" not in run.stdout
+        assert "fedcluster: round 30: mean client accuracy" in run.stdout and "Traceback" not in run.stdout
     direct = subprocess.run([sys.executable, "-m", "fedcluster_flwr.cli", "run", str(DEFAULT_CONFIG), "--out",
                              str(out / "direct"), "--set", "simulation.engine=batched", "--no-progress"],
                             capture_output=True, text=True, timeout=540)

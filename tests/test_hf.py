@@ -15,7 +15,7 @@ import pytest
 
 from fedcluster_flwr.config import load_config
 from fedcluster_flwr.data import DataError
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import experiment_data
 from fedcluster_flwr.run_files import format_summary, read_summary
 from fedcluster_flwr.schema import ConfigError

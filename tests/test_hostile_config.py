@@ -339,8 +339,8 @@ def test_a_full_disk_is_one_line_before_the_data_are_read_and_leaves_nothing(tmp
 def test_a_disk_that_fills_during_the_run_is_one_line_saying_what_was_kept(tmp_path, monkeypatch):
     """No traceback for a full disk mid-run: the engine tells the supervisor, which says in one line
     what is there (the last checkpoint before the disk filled)."""
-    from fedcluster_flwr.engines import simulation
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr import engine_process as simulation
+    from fedcluster_flwr.apps.server_app import run_in_process
     from fedcluster_flwr.recorder import RunRecorder
 
     config, _ = load_config(DEFAULT_CONFIG, [("rounds", 4), ("strategy.name", "fedavg")])

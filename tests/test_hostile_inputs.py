@@ -26,19 +26,22 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from flwr.common import Code, EvaluateRes, Status
+from flwr.app import ConfigRecord, RecordDict
 
 from conftest import DEFAULT_CONFIG, ROOT
-from helpers import CIFAR_BATCHES, client_manager, connect_test_run, constant_model, fit_res, make_setup, recorded_rows, write_cifar
+from helpers import (
+    CIFAR_BATCHES, configure, connect_test_run, constant_model, fit_res, make_setup, metrics_record, recorded_rows, reply_to,
+    synthetic_grid, write_cifar,
+)
 from fedcluster_flwr import cli, protocol, runner
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
 from fedcluster_flwr.data import DataError, load_pool
 from fedcluster_flwr.data.device import load_device_data
 from fedcluster_flwr.data.sources import InputFormat
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import experiment_data, make_client
-from fedcluster_flwr.protocol import ACCURACY, EVALUATE, MODELS, TRAIN, ProtocolError
+from fedcluster_flwr.protocol import ACCURACY, CONFIG, EVALUATE, METRICS, MODEL, NUM_EXAMPLES, ROUND_KEY, TEST_LOSS, TRAIN, ProtocolError
 from fedcluster_flwr.recorder import CLAIM_FILE, RunRecorder
 from fedcluster_flwr.schema import ConfigError
 
@@ -438,20 +441,21 @@ def test_a_second_reply_from_one_client_is_refused_counted_and_never_averaged(tm
     and its second evaluation result replaced its first."""
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4, rounds=2))
     connect_test_run(strategy)
-    manager = client_manager(4)
-    sent = strategy.configure_fit(1, None, manager)
+    manager = synthetic_grid(4)
+    sent = configure(strategy, 1, manager)
     assert len(sent) == 4
-    results = [(proxy, fit_res(constant_model(1.0))) for proxy, _ in sent]
-    first = sent[0][0]
-    results.append((first, fit_res(constant_model(50.0))))  # the same client again, later
-    _, metrics = strategy.aggregate_fit(1, results, [])
+    replies = [reply_to(message, fit_res(constant_model(1.0))) for message in sent]
+    replies.append(reply_to(sent[0], fit_res(constant_model(50.0))))  # the same client again, later
+    _, metrics = strategy.aggregate_train(1, replies)
     assert metrics["accepted_updates"] == 4 and strategy.counters.rejected_updates == 1
     np.testing.assert_array_equal(strategy.models[0][0], constant_model(1.0)[0])
 
-    evaluations = strategy.configure_evaluate(1, None, manager)
-    answers = [(proxy, EvaluateRes(Status(Code.OK, ""), 0.5, 5, {ACCURACY: 0.8})) for proxy, _ in evaluations]
-    answers.append((first, EvaluateRes(Status(Code.OK, ""), 9.0, 5, {ACCURACY: 0.1})))
-    strategy.aggregate_evaluate(1, answers, [])
+    def evaluation(message, loss, accuracy):
+        return reply_to(message, RecordDict({METRICS: metrics_record({ACCURACY: accuracy, TEST_LOSS: loss, NUM_EXAMPLES: 5})}))
+
+    evaluations = strategy.configure_evaluate(1, None, None, manager)
+    answers = [evaluation(message, 0.5, 0.8) for message in evaluations] + [evaluation(evaluations[0], 9.0, 0.1)]
+    strategy.aggregate_evaluate(1, answers)
     (row,) = recorded_rows(strategy)
     assert row["num_fit_clients"] == 4 and row["rejected_updates"] == 1
     assert row["num_evaluated"] == 4 and row["eval_failures"] == 1
@@ -461,58 +465,53 @@ def test_a_second_reply_from_one_client_is_refused_counted_and_never_averaged(tm
 def test_a_reply_in_a_later_round_does_not_count_against_the_first(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2, rounds=2))
     connect_test_run(strategy)
-    manager = client_manager(2)
+    manager = synthetic_grid(2)
     for server_round in (1, 2):
-        sent = strategy.configure_fit(server_round, None, manager)
-        _, metrics = strategy.aggregate_fit(server_round, [(p, fit_res(constant_model(1.0))) for p, _ in sent], [])
+        sent = configure(strategy, server_round, manager)
+        _, metrics = strategy.aggregate_train(server_round, [reply_to(m, fit_res(constant_model(1.0))) for m in sent])
         assert metrics["accepted_updates"] == 2 and strategy.counters.rejected_updates == 0
+
+
+def test_a_client_sent_work_that_never_answers_is_a_failure(tmp_path):
+    """On a grid with a round timeout, a reply that does not come back in time is simply missing."""
+    strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, rounds=2))
+    connect_test_run(strategy)
+    sent = configure(strategy, 1, synthetic_grid(3))
+    _, metrics = strategy.aggregate_train(1, [reply_to(sent[0], fit_res(constant_model(1.0)))])
+    assert metrics["accepted_updates"] == 1 and metrics["fit_failures"] == 2
 
 
 # ---- instructions: a malformed one is one line naming the key -------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def digits_client():
+def digits_weights():
     config = load_config(DEFAULT_CONFIG, [])[0]
-    return make_client(config, 0, config.partition.num_clients)
-
-
-def instruction(kind: Any, weights: list[np.ndarray], changes: dict[str, Any]) -> tuple[list[np.ndarray], dict[str, Any]]:
-    """A well-formed round-3 instruction of task ``kind`` with ``weights``, then ``changes`` made
-    to its config (None: the key removed)."""
-    params, layout = protocol.pack_parameters({MODELS: [weights]})
-    config = protocol.instruction_config(kind, 3, layout, {})
-    for key, value in changes.items():
-        if value is None:
-            del config[key]
-        else:
-            config[key] = value
-    return protocol.parameters_to_arrays(params), config
+    client = make_client(config, 0, config.partition.num_clients)
+    return [a.detach().numpy().copy() for a in client.model_factory().state_dict().values()]
 
 
 @pytest.mark.parametrize(
-    ("changes", "expected"),
+    ("server_round", "expected"),
     [
-        ({"round": None}, "instruction lacks 'round' (got keys layout, task)"),
-        ({"layout": None}, "instruction lacks 'layout' (got keys round, task)"),
-        ({"task": None, "round": None}, "instruction lacks 'task', 'round' (got keys layout)"),
-        ({"round": "3"}, "instruction's 'round' must be a round number (an integer >= 1), got '3'"),
-        ({"round": 0}, "instruction's 'round' must be a round number (an integer >= 1), got 0"),
-        ({"round": -2}, "instruction's 'round' must be a round number (an integer >= 1), got -2"),
-        ({"round": 2.5}, "instruction's 'round' must be a round number (an integer >= 1), got 2.5"),
-        ({"round": True}, "instruction's 'round' must be a round number (an integer >= 1), got True"),
-        ({"task": 7}, "instruction's 'task' must be a string, got 7"),
+        (None, "instruction's 'server-round' must be a round number (an integer >= 1), got None"),
+        ("3", "instruction's 'server-round' must be a round number (an integer >= 1), got '3'"),
+        (0, "instruction's 'server-round' must be a round number (an integer >= 1), got 0"),
+        (-2, "instruction's 'server-round' must be a round number (an integer >= 1), got -2"),
+        (2.5, "instruction's 'server-round' must be a round number (an integer >= 1), got 2.5"),
+        (True, "instruction's 'server-round' must be a round number (an integer >= 1), got True"),
     ],
-    ids=["no-round", "no-layout", "no-task", "round-text", "round-0", "round-negative", "round-fraction", "round-bool", "task-number"],
+    ids=["no-round", "round-text", "round-0", "round-negative", "round-fraction", "round-bool"],
 )
-@pytest.mark.parametrize("method", ["fit", "evaluate"])
-def test_an_instruction_missing_a_key_or_with_a_bad_round_is_one_line_naming_it(digits_client, method, changes, expected):
+@pytest.mark.parametrize("task", [TRAIN, EVALUATE], ids=lambda t: t.name)
+def test_an_instruction_without_a_round_or_with_a_bad_one_is_one_line_naming_it(digits_weights, task, server_round, expected):
     """Before: a KeyError or ValueError of int(), a round 0 or 2.5 taken as given, a missing
     evaluation round read as 0."""
-    weights = [a.detach().numpy().copy() for a in digits_client.model_factory().state_dict().values()]
-    arrays, config = instruction(TRAIN if method == "fit" else EVALUATE, weights, changes)
+    content = task.instruction({MODEL: [digits_weights]}, {}, 3)
+    config = dict(content[CONFIG]) | {ROUND_KEY: server_round}
+    content[CONFIG] = ConfigRecord({k: v for k, v in config.items() if v is not None})
     with pytest.raises(ProtocolError) as err:
-        getattr(digits_client, method)(arrays, config)
+        task.read_instruction(content)
     assert str(err.value) == expected and "\n" not in str(err.value)
 
 

@@ -44,7 +44,7 @@ from helpers import (
     DIM,
     Received,
     SyntheticClient,
-    client_manager,
+    synthetic_grid,
     synthetic_round,
     flat,
     make_setup,
@@ -278,7 +278,7 @@ def selecting_client(chooser=None) -> SyntheticClient:
 
 
 def test_sampled_clients_get_all_models_and_the_others_are_asked_once(tmp_path):
-    strategy, manager = strategy_of(IFCA, tmp_path), client_manager(len(GROUPS))
+    strategy, manager = strategy_of(IFCA, tmp_path), synthetic_grid(len(GROUPS))
     received = synthetic_round(strategy, manager, 1, selecting_client())
     tasks = {pid: client.task for pid, client in received.items()}
     assert sorted(tasks.values()).count(TRAIN_SELECT.name) == 6 and sorted(tasks.values()).count(SELECT.name) == 6
@@ -295,7 +295,7 @@ def test_sampled_clients_get_all_models_and_the_others_are_asked_once(tmp_path):
 def test_one_step_with_every_device_sends_all_k_models_to_all_devices_every_iteration(tmp_path):
     """Lin et al., Algorithm 1, line 3: the K models go to every device, every iteration."""
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, local_update="one_step")
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     for rnd in (1, 2, 3):
         received = synthetic_round(strategy, manager, rnd, selecting_client())
         assert sorted(received) == list(range(len(GROUPS)))
@@ -305,7 +305,7 @@ def test_one_step_with_every_device_sends_all_k_models_to_all_devices_every_iter
 
 
 def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_model(tmp_path):
-    strategy, manager = strategy_of(IFCA, tmp_path, client_fraction=1.0), client_manager(len(GROUPS))
+    strategy, manager = strategy_of(IFCA, tmp_path, client_fraction=1.0), synthetic_grid(len(GROUPS))
     start = {k: flat(m).copy() for k, m in strategy.models.items()}
     synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # nobody picks cluster 1
     assert strategy.assignment.tolist() == [0] * 6 + [2] * 6
@@ -320,12 +320,12 @@ def test_models_are_averaged_per_identity_and_an_unchosen_cluster_keeps_its_mode
 def test_an_empty_cluster_is_given_a_sampled_client_only_with_reseed_empty(tmp_path):
     always_first = lambda pid, k: 0  # noqa: E731 - every client picks cluster 0
     plain = strategy_of(IFCA, tmp_path / "plain", client_fraction=1.0)
-    synthetic_round(plain, client_manager(len(GROUPS)), 1, selecting_client(always_first))
-    received = synthetic_round(plain, client_manager(len(GROUPS)), 2, selecting_client(always_first))
+    synthetic_round(plain, synthetic_grid(len(GROUPS)), 1, selecting_client(always_first))
+    received = synthetic_round(plain, synthetic_grid(len(GROUPS)), 2, selecting_client(always_first))
     assert {len(client.models) for client in received.values()} == {3}
 
     strategy = strategy_of(IFCA, tmp_path / "reseed", client_fraction=1.0, cluster_guard="reseed_empty")
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     synthetic_round(strategy, manager, 1, selecting_client(always_first))
     assert strategy.to_reseed == [1, 2]
     kept = {k: flat(strategy.models[k]).copy() for k in (1, 2)}
@@ -344,7 +344,7 @@ def test_one_per_cluster_gives_every_cluster_a_member_every_round(tmp_path):
     """Lin et al., §II-C: each iteration K random devices are forced one to each cluster, even
     when every device would choose the same model."""
     strategy = strategy_of(IFCA, tmp_path, client_fraction=1.0, cluster_guard="one_per_cluster")
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     forced_over_rounds = []
     for rnd in range(1, 5):
         before = {k: flat(m).copy() for k, m in strategy.models.items()}
@@ -371,7 +371,7 @@ def test_a_guard_that_cannot_fill_every_cluster_and_one_step_with_another_optimi
 
 def test_gradloss_sends_zero_directions_first_then_each_clusters_last_update(tmp_path):
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0, lambda_=0.5)
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     received = synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))
     assert received[0].config[LAMBDA_KEY] == 0.5 and received[0].config[LOSS_REDUCTION_KEY] == "sum"
     assert all(not np.any(a) for item in received[0].blocks[DIRECTIONS] for a in item)
@@ -389,7 +389,7 @@ def test_a_cluster_nobody_updated_last_round_sends_a_zero_direction(tmp_path):
     """Lin et al., eq. 2: Δw_k^{t-1} is the mean update of cluster k's devices in iteration t-1;
     a cluster idle in t-1 has Δw_k = 0 (so S_k = 0), not its older, stale update."""
     strategy = strategy_of(GradLoss, tmp_path, client_fraction=1.0)
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0 if pid < 6 else 2))  # clusters 0 and 2 move
     synthetic_round(strategy, manager, 2, selecting_client(lambda pid, k: 0))  # only cluster 0 moves
     received = synthetic_round(strategy, manager, 3, selecting_client(lambda pid, k: 0))
@@ -400,7 +400,7 @@ def test_a_cluster_nobody_updated_last_round_sends_a_zero_direction(tmp_path):
 
 def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):
     strategy = strategy_of(GradLoss, tmp_path, rounds=2, client_fraction=1.0)
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     synthetic_round(strategy, manager, 1, selecting_client(lambda pid, k: 0))
     before_round_2 = {k: [a.copy() for a in m] for k, m in strategy.models.items()}
     synthetic_round(strategy, manager, 2, selecting_client(lambda pid, k: 1 if pid < 3 else 0))
@@ -418,7 +418,7 @@ def test_identity_changes_and_a_checkpoint_that_resumes(tmp_path):
 
 def test_warmup_trains_one_model_then_spawns_k_distinct_ones(tmp_path):
     strategy = strategy_of(IFCA, tmp_path, warmup_rounds=2)
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     for rnd in (1, 2):
         received = synthetic_round(strategy, manager, rnd, selecting_client())
         assert {client.task for client in received.values()} == {TRAIN.name} and strategy.phase(rnd) == "warmup"
@@ -433,7 +433,7 @@ def test_warmup_trains_one_model_then_spawns_k_distinct_ones(tmp_path):
 
 def test_the_spawned_models_are_the_warm_model_plus_seeded_gaussian_noise_on_every_entry(tmp_path):
     strategy = strategy_of(IFCA, tmp_path, warmup_rounds=2, warmup_noise=0.01)
-    manager = client_manager(len(GROUPS))
+    manager = synthetic_grid(len(GROUPS))
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, selecting_client())
     warm = [a.copy() for a in strategy.models[0]]

@@ -1,6 +1,6 @@
 """The package's layout rules (docs/development.md, "Code layout"), checked on the source: no import
-circles, no file over 450 lines, Flower only where it belongs, a strategy's setup holding only the
-algorithm's inputs."""
+circles, no file over 450 lines, Flower only where it belongs and only its current API, a strategy's
+setup holding only the algorithm's inputs."""
 
 from __future__ import annotations
 
@@ -100,3 +100,41 @@ def test_no_strategy_writes_files_or_sees_the_round_log():
         assert "fedcluster_flwr.files" not in imported, path
         if path.name != "plots.py":  # a figure is drawn to the path the results side gives it
             assert ".write_text(" not in path.read_text() and ".savefig(" not in path.read_text(), path
+
+
+# ---- Flower's current API only: nothing from its legacy components -----------------------------------
+
+# Flower 1.42 keeps its legacy API (NumPyClient/Client, the Strategy of configure_fit, FitIns/FitRes/
+# Parameters, ServerAppComponents, client_fn apps) as "deprecated legacy components" (flwr/compat,
+# re-exported by flwr.client, flwr.server and flwr.common). The package speaks the Message API only.
+LEGACY_MODULES = ("flwr.compat", "flwr.client", "flwr.server", "flwr.simulation.legacy_app")
+# What may still come from those places: Flower's simulation engine's message loop that
+# flower_patches speeds up (an internal of the runtime, not a legacy API).
+LEGACY_EXCEPTIONS = {"fedcluster_flwr/flower_patches.py": ("flwr.server.superlink.fleet.vce",)}
+# flwr.common is also the legacy spelling of the message types; from it, only the log and constants.
+FROM_FLWR_COMMON = {"flwr.common", "flwr.common.log", "flwr.common.logger", "flwr.common.logger.FLOWER_LOGGER",
+                    "flwr.common.constant", "flwr.common.constant.SUPERLINK_NODE_ID", "flwr.common.constant.ErrorCode"}
+
+
+def test_the_package_imports_nothing_from_flowers_legacy_api():
+    """Walks every module's imports (functions and TYPE_CHECKING blocks included)."""
+    sources = sorted(PACKAGE.rglob("*.py"))
+    found = {}
+    for path in sources:
+        where = str(path.relative_to(ROOT))
+        allowed = LEGACY_EXCEPTIONS.get(where, ())
+        legacy = sorted(
+            m for m in imported_modules(path)
+            if any(m == prefix or m.startswith(prefix + ".") for prefix in LEGACY_MODULES)
+            and not any(m == ok or m.startswith(ok + ".") for ok in allowed)
+            or m.startswith("flwr.common") and m not in FROM_FLWR_COMMON
+        )
+        if legacy:
+            found[where] = legacy
+    assert len(sources) > 50 and not found, f"legacy Flower imports: {found}"
+
+
+def test_no_filter_hides_flowers_deprecation_notices():
+    """Flower says DEPRECATED FEATURE where the package still uses one (run_simulation, docs/how-to/flwr-run.md):
+    the notice is shown, not filtered."""
+    assert not [p for p in PACKAGE.rglob("*.py") if "DEPRECATED" in p.read_text()]

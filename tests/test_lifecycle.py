@@ -24,12 +24,12 @@ import yaml
 from conftest import DEFAULT_CONFIG, ROOT
 from helpers import rows_without_timing
 from fedcluster_flwr import runner
-from fedcluster_flwr.client_app import make_client_fn
+from fedcluster_flwr.apps.client_app import FedclusterClientApp
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
-from fedcluster_flwr.engines.inprocess import InProcessProxy, run_in_process
+from fedcluster_flwr.apps.server_app import RunConfigError, app, run_in_process
+from fedcluster_flwr.client import ClusterClient
 from fedcluster_flwr.numerics import torch_threads
 from fedcluster_flwr.schema import ConfigError
-from fedcluster_flwr.server_app import RunConfigError, server_fn
 
 # Short enough for CI, long enough that FL+HC clusters (round 3) after the stop at round 2.
 OVERRIDES = ("rounds=4", "strategy.rounds_before_clustering=2")
@@ -137,8 +137,8 @@ def uninterrupted(tmp_path_factory):
 
 def test_the_in_process_driver_trains_on_one_torch_thread_and_restores_the_callers(tmp_path, monkeypatch):
     seen = []
-    fit = InProcessProxy.fit
-    monkeypatch.setattr(InProcessProxy, "fit", lambda self, *a: seen.append(torch.get_num_threads()) or fit(self, *a))
+    run = ClusterClient.run
+    monkeypatch.setattr(ClusterClient, "run", lambda self, *a: seen.append(torch.get_num_threads()) or run(self, *a))
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=1", "strategy.name=fedavg")])
     with torch_threads(2):
         run_in_process(config, tmp_path / "run")
@@ -253,7 +253,7 @@ def test_a_client_joining_after_the_last_round_is_a_config_error():
 
 class Context:
     def __init__(self, run_config, node_config=None):
-        self.run_config, self.node_config, self.run_id = run_config, node_config or {}, 1
+        self.run_config, self.node_config, self.run_id, self.node_id = run_config, node_config or {}, 1, 1
 
 
 @pytest.mark.parametrize(("run_config", "message"), [
@@ -264,23 +264,32 @@ def test_a_flwr_run_with_a_bad_config_fails_the_run(run_config, message, caplog)
     """Flower marks a run failed only when the ServerApp raises an Exception; a SystemExit ended its
     thread silently and the run counted as completed."""
     with pytest.raises(RunConfigError, match=message):
-        server_fn(Context(run_config))
+        app(None, Context(run_config))
     assert sum("fedcluster configuration error" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_supernode_beyond_the_experiment_reports_its_partition_and_the_server_refuses_once(caplog):
-    """More SuperNodes than clients: the extra nodes answer get_properties (no traceback each), and
-    the server names the mismatch once, not once per node."""
-    from flwr.common import GetPropertiesIns
+    """More SuperNodes than clients: the extra nodes answer who they are (no traceback each), and the
+    server names the mismatch once, not once per node; any work such a node is sent fails."""
+    from flwr.app import ConfigRecord, Message, RecordDict
 
-    from helpers import client_manager
+    from helpers import synthetic_grid
+    from fedcluster_flwr import protocol
     from fedcluster_flwr.algorithms.base import FederationError
     from fedcluster_flwr.algorithms.base.directory import ClientDirectory, Federation
+    from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of
 
     config, _ = load_config(DEFAULT_CONFIG)
-    extra = make_client_fn(config)(Context({}, {"partition-id": 25, "num-partitions": 26}))
-    assert extra.get_properties(GetPropertiesIns({})).properties == {"partition_id": 25, "num_partitions": 26}
+    grid = InProcessGrid(FedclusterClientApp(config), [{"partition-id": 25, "num-partitions": 26}])
+    content = RecordDict({protocol.CONFIG: ConfigRecord({protocol.ROUND_KEY: 1})})
+    (identity,) = grid.send_and_receive([Message(content, node_id_of(0), protocol.IDENTIFY.message_type)])
+    assert dict(identity.content[protocol.METRICS]) == {"partition_id": 25, "num_partitions": 26, "own_data": 0}
+    from fedcluster_flwr.experiment import initial_weights
+
+    evaluation = protocol.EVALUATE.instruction({protocol.MODEL: [initial_weights(config)]}, {}, 1)
+    (work,) = grid.send_and_receive([Message(evaluation, node_id_of(0), protocol.EVALUATE.message_type)])
+    assert work.error.reason.endswith("partition-id 25 is outside 0..19 (partition.num_clients)")
     directory = ClientDirectory(num_clients=20, federation=Federation(wait_for_clients_s=0))
     with pytest.raises(FederationError, match="num-partitions=26, but partition.num_clients is 20"):
-        directory.online_clients(1, client_manager(26, reported=26))
+        directory.online_clients(1, synthetic_grid(26, reported=26))
     assert sum("num-partitions=26" in r.getMessage() for r in caplog.records) == 1

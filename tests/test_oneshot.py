@@ -18,7 +18,6 @@ from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, releva
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
-from fedcluster_flwr.protocol import LAYOUT_KEY
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.aggregation import average_layers
 from fedcluster_flwr.algorithms.oneshot.strategy import HFLOptions, OracleHFL
@@ -39,7 +38,7 @@ from fedcluster_flwr.algorithms.oneshot.tasks import (
     relevance_to_every_client,
     top_gram_eigenpairs,
 )
-from helpers import connect_test_run, Received, SyntheticClient, client_manager, constant_model, synthetic_round, make_setup, write_cifar
+from helpers import configure, connect_test_run, pack_reply, Received, SyntheticClient, synthetic_grid, constant_model, synthetic_round, make_setup, write_cifar
 
 # ---- relevance -------------------------------------------------------------------------------------
 
@@ -197,7 +196,7 @@ def test_the_relevance_task_takes_its_eigen_floor_from_the_instruction(label_gro
 
 
 def test_oneshot_sends_its_eigen_floor_with_the_relevance_instruction(tmp_path):
-    strategy, manager = oneshot_strategy(tmp_path, eigen_floor=0.05), client_manager(6)
+    strategy, manager = oneshot_strategy(tmp_path, eigen_floor=0.05), synthetic_grid(6)
     synthetic_round(strategy, manager, 1, one_shot_client())
     instructions = strategy.clustering_instructions(2, list(range(6)))
     assert {ins.config[EIGEN_FLOOR_KEY] for ins in instructions} == {0.05}
@@ -266,7 +265,7 @@ def test_gps_touches_only_the_shared_layers_and_weights_by_cluster_data_size(tmp
     def train(client: Received):
         return constant_model(10 * true[client.pid] + client.pid), setup.train_sizes[client.pid], {}
 
-    received = synthetic_round(strategy, client_manager(4), 1, train)
+    received = synthetic_round(strategy, synthetic_grid(4), 1, train)
     assert {client.task for client in received.values()} == {"train"} and len(received) == 4
     # LPS FedAvg: cluster 0 = mean of 0, 1, 2 = 1.0; cluster 1 = client 3's 13.0.
     # GPS on "shared.w" weighted by data size 30 vs 30: (1 + 13) / 2 = 7; "own.b" stays per LPS.
@@ -310,7 +309,7 @@ def test_the_cifar10_conf_runs_on_tiny_files_in_the_real_format(tmp_path):
     """conf/oneshot_cifar10_2tasks.yaml end to end (in process) on CIFAR-10 batches written in the
     official python format: one-shot rounds, then LeNet LPS models sharing their conv layers."""
     from conftest import ROOT
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.apps.server_app import run_in_process
 
     write_cifar(tmp_path / "data", per_batch=100)
     overrides = [f"dataset.data_dir={tmp_path / 'data'}", "partition.samples_per_client=20", "rounds=3",
@@ -375,14 +374,14 @@ def one_shot_client(share_eigenvalues=None) -> SyntheticClient:
             summaries = client.blocks[EIGENVECTORS]
             others_values = [item[1] for item in summaries] if share else None
             return [relevance_row(gram, [item[0] for item in summaries], others_values).astype(np.float32)], 50, {}
-        return GRAM_EIGEN.pack_reply({EIGENVECTORS: [vectors.astype(np.float32)],
+        return pack_reply(GRAM_EIGEN, {EIGENVECTORS: [vectors.astype(np.float32)],
                                       EIGENVALUES: [values.astype(np.float32)] if share else []}), 50, {}
 
     return reply
 
 
 def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer(tmp_path, caplog):
-    strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
+    strategy, manager = oneshot_strategy(tmp_path), synthetic_grid(6)
     with caplog.at_level(logging.INFO):
         synthetic_round(strategy, manager, 1, one_shot_client(), fail={0, 1, 2, 3, 4})  # one summary: fewer than 2 clusters need
         assert strategy.summaries == {} and strategy.phase(1) == "gram_eigen"
@@ -402,7 +401,7 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
                                                  ({"threshold": 1.5}, 1, "threshold 1.5"),  # above every distance
                                                  ({"num_clusters": 1}, 1, "1 cluster")])  # not the 2 the data has
 def test_the_one_shot_clustering_cuts_as_configured_and_leaves_non_responders_unassigned(tmp_path, cut, clusters, rule):
-    strategy, manager = oneshot_strategy(tmp_path, **({"num_clusters": None} | cut)), client_manager(6)
+    strategy, manager = oneshot_strategy(tmp_path, **({"num_clusters": None} | cut)), synthetic_grid(6)
     synthetic_round(strategy, manager, 1, one_shot_client())
     synthetic_round(strategy, manager, 2, one_shot_client(), fail={5})  # client 5 sends no relevance row
     assert strategy.clustered and strategy.clustering.num_clusters == clusters == len(strategy.models)
@@ -416,7 +415,7 @@ def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
     from fedcluster_flwr.checkpoints import load_checkpoint
     from fedcluster_flwr.round_log import resume
 
-    strategy, manager = oneshot_strategy(tmp_path), client_manager(6)
+    strategy, manager = oneshot_strategy(tmp_path), synthetic_grid(6)
     synthetic_round(strategy, manager, 1, one_shot_client())
     resumed = oneshot_strategy(tmp_path / "other")
     resume(resumed, connect_test_run(resumed), load_checkpoint(tmp_path))
@@ -433,23 +432,24 @@ def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
 
 
 def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(tmp_path):
-    from flwr.common import ndarray_to_bytes
+    from flwr.app import Array
 
     runs = {rule: oneshot_strategy(tmp_path / rule, relevance=rule) for rule in ("paper", "amiri")}
     for strategy in runs.values():
-        manager = client_manager(6)
+        manager = synthetic_grid(6)
         synthetic_round(strategy, manager, 1, one_shot_client())
-        relevance_instruction = strategy.configure_fit(2, None, manager)[0][1]
-        assert relevance_instruction.config[LAYOUT_KEY] == f"eigenvectors=6x{1 if strategy is runs['paper'] else 2}"
+        records = configure(strategy, 2, manager)[0].content.array_records  # the relevance instruction
+        assert sorted(records) == [f"eigenvectors.{k}" for k in range(6)]
+        assert {len(record) for record in records.values()} == {1 if strategy is runs["paper"] else 2}
     rows = {rule: json.loads((tmp_path / rule / "rounds.jsonl").read_text().splitlines()[0]) for rule in runs}
-    eigenvalue_bytes = len(ndarray_to_bytes(np.zeros(2, np.float32)))  # k = 2 float32 values, serialized
+    eigenvalue_bytes = len(Array(np.zeros(2, np.float32)).data)  # k = 2 float32 values, serialized
     assert rows["amiri"]["bytes_up"] - rows["paper"]["bytes_up"] == 6 * eigenvalue_bytes
     assert all(len(summary) == 1 for summary in runs["paper"].summaries.values())
-    assert runs["paper"].summary()["eigen_summary_floats"] == 2 * 4  # k × d, no k eigenvalues
-    assert runs["amiri"].summary()["eigen_summary_floats"] == 2 * 4 + 2
+    assert runs["paper"].summary_entries()["eigen_summary_floats"] == 2 * 4  # k × d, no k eigenvalues
+    assert runs["amiri"].summary_entries()["eigen_summary_floats"] == 2 * 4 + 2
 
     strict = oneshot_strategy(tmp_path / "strict")
-    synthetic_round(strict, client_manager(6), 1, one_shot_client(share_eigenvalues=True))  # replies the paper's users never send
+    synthetic_round(strict, synthetic_grid(6), 1, one_shot_client(share_eigenvalues=True))  # replies the paper's users never send
     assert strict.summaries == {}
     row = json.loads((tmp_path / "strict" / "rounds.jsonl").read_text().splitlines()[0])
     assert row["rejected_updates"] == 6
@@ -457,11 +457,11 @@ def test_the_papers_users_send_no_eigenvalues_and_a_reply_with_them_is_refused(t
 
 def test_both_relevance_rules_cluster_the_synthetic_clients(tmp_path):
     for rule in ("paper", "amiri"):
-        strategy, manager = oneshot_strategy(tmp_path / rule, relevance=rule), client_manager(6)
+        strategy, manager = oneshot_strategy(tmp_path / rule, relevance=rule), synthetic_grid(6)
         synthetic_round(strategy, manager, 1, one_shot_client())
         synthetic_round(strategy, manager, 2, one_shot_client())
         assert strategy.clustered and strategy.assignment.tolist() in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
-        assert strategy.summary()["relevance_rule"] == rule
+        assert strategy.summary_entries()["relevance_rule"] == rule
 
 
 @pytest.mark.skipif(not os.environ.get("FEDCLUSTER_DATA_DIR"), reason="needs Fashion-MNIST under FEDCLUSTER_DATA_DIR")

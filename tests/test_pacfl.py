@@ -16,7 +16,7 @@ from fedcluster_flwr.algorithms.pacfl.math import closest_cluster, principal_ang
 from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.algorithms.pacfl.strategy import PACFL, PACFLOptions
 from fedcluster_flwr.algorithms.oneshot.tasks import (
@@ -31,7 +31,7 @@ from fedcluster_flwr.algorithms.oneshot.tasks import (
     SHARE_EIGENVALUES_KEY,
     top_gram_eigenpairs,
 )
-from helpers import connect_test_run, Received, client_manager, synthetic_round, make_setup
+from helpers import connect_test_run, pack_reply, Received, synthetic_grid, synthetic_round, make_setup
 
 E = np.eye(4)
 
@@ -160,12 +160,12 @@ def synthetic_client(client: Received):
     if client.task == GRAM_EIGEN.name:
         noise = 0.05 * np.random.default_rng(client.pid).normal(size=(8, 2))
         basis = np.linalg.qr(SUBSPACES[client.pid % 2] + noise)[0]
-        return GRAM_EIGEN.pack_reply({EIGENVECTORS: [basis.T.astype(np.float32)], EIGENVALUES: []}), 50, {}
+        return pack_reply(GRAM_EIGEN, {EIGENVECTORS: [basis.T.astype(np.float32)], EIGENVALUES: []}), 50, {}
     return [a + 10 + client.pid for a in client.models[0]], 50, {}
 
 
 def test_clusters_once_then_fedavg_per_cluster_without_a_gps_step(tmp_path):
-    strategy, manager = pacfl_strategy(tmp_path), client_manager(6)
+    strategy, manager = pacfl_strategy(tmp_path), synthetic_grid(6)
     received = synthetic_round(strategy, manager, 1, synthetic_client)
     assert {c.task for c in received.values()} == {"gram_eigen"} and len(received) == 6
     assert all(c.config[NUM_EIGENVECTORS_KEY] == 2 and not c.config[SHARE_EIGENVALUES_KEY] for c in received.values())
@@ -185,7 +185,7 @@ def test_clusters_once_then_fedavg_per_cluster_without_a_gps_step(tmp_path):
 
 
 def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_path, caplog):
-    strategy, manager = pacfl_strategy(tmp_path), client_manager(6)
+    strategy, manager = pacfl_strategy(tmp_path), synthetic_grid(6)
     with caplog.at_level(logging.INFO):
         synthetic_round(strategy, manager, 1, synthetic_client, fail={0, 1, 2, 3, 4})  # one subspace: fewer than 2
         assert not strategy.clustered and strategy.phase(1) == "gram_eigen"
@@ -210,7 +210,7 @@ def test_too_few_subspaces_ask_again_and_a_newcomer_is_placed_by_its_own(tmp_pat
                                                  ({"num_clusters": 3}, 3, "3 clusters")])
 def test_the_one_shot_round_cuts_at_the_threshold_or_into_num_clusters(tmp_path, cut, clusters, rule):
     strategy = pacfl_strategy(tmp_path, **({"num_clusters": None} | cut))
-    synthetic_round(strategy, client_manager(6), 1, synthetic_client)
+    synthetic_round(strategy, synthetic_grid(6), 1, synthetic_client)
     labels = strategy.assignment.tolist()
     if clusters is None:  # 1° is below the angles within a subspace's noisy copies: they split too
         assert strategy.clustering.num_clusters > 2
@@ -225,7 +225,7 @@ def test_the_one_shot_round_cuts_at_the_threshold_or_into_num_clusters(tmp_path,
 def test_the_one_shot_round_needs_two_subspaces_or_num_clusters_of_them(tmp_path, num_clusters, replies, clustered):
     options = {"num_clusters": num_clusters} if num_clusters else {"num_clusters": None, "threshold": 45.0}
     strategy = pacfl_strategy(tmp_path, **options)
-    synthetic_round(strategy, client_manager(6), 1, synthetic_client, fail=set(range(replies, 6)))
+    synthetic_round(strategy, synthetic_grid(6), 1, synthetic_client, fail=set(range(replies, 6)))
     assert strategy.clustered is clustered
 
 
@@ -233,7 +233,7 @@ def test_an_interrupted_run_resumes_with_its_bases_and_places_newcomers_alike(tm
     from fedcluster_flwr.checkpoints import load_checkpoint
     from fedcluster_flwr.round_log import resume
 
-    strategy, manager = pacfl_strategy(tmp_path), client_manager(6)
+    strategy, manager = pacfl_strategy(tmp_path), synthetic_grid(6)
     synthetic_round(strategy, manager, 1, synthetic_client, fail={5})
     resumed = pacfl_strategy(tmp_path / "other")
     resume(resumed, connect_test_run(resumed), load_checkpoint(tmp_path))

@@ -228,10 +228,10 @@ def test_pacfls_proximity_map_is_coloured_over_its_angles(drawn, tmp_path):
     """It was A / 90p on a fixed 0-1 scale: angles of a few degrees to ~90 of 180 all came out dark."""
     from test_pacfl import pacfl_strategy, synthetic_client
 
-    from helpers import client_manager, synthetic_round
+    from helpers import synthetic_grid, synthetic_round
 
     strategy = pacfl_strategy(tmp_path)
-    synthetic_round(strategy, client_manager(6), 1, synthetic_client)
+    synthetic_round(strategy, synthetic_grid(6), 1, synthetic_client)
     strategy.artifacts()["proximity.png"](tmp_path / "proximity_again.png")
     fig = drawn["proximity_again.png"]
     off_diagonal = strategy.proximity[~np.eye(6, dtype=bool)]

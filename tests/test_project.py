@@ -109,7 +109,7 @@ def test_fab_carries_the_configs(tmp_path):
     (fab,) = tmp_path.glob("*.fab")
     names = set(zipfile.ZipFile(fab).namelist())
     assert "conf/default.yaml" in names
-    assert "fedcluster_flwr/server_app.py" in names and "fedcluster_flwr/client_app.py" in names
+    assert "fedcluster_flwr/apps/server_app.py" in names and "fedcluster_flwr/apps/client_app.py" in names
     assert not any(name.startswith((".venv/", "outputs/", "benchmarks/", "tests/")) for name in names)
 
 

@@ -11,9 +11,7 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.algorithms.dac.strategy import DACOptions, DAC, GossipOptions, RandomGossip
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engines.inprocess import play_round
-from fedcluster_flwr.schema import ConfigError
-from helpers import Received, client_manager, connect_test_run, flat, make_setup, random_weights, synthetic_round
+from helpers import Received, synthetic_grid, connect_test_run, flat, make_setup, random_weights, synthetic_round
 
 
 def three_clients(tmp_path, round_order: str, cls=RandomGossip, options_class=GossipOptions):
@@ -32,7 +30,7 @@ def plus_one(client: Received):
 
 def test_sequential_clients_receive_the_models_their_neighbours_trained_earlier_in_the_round(tmp_path):
     strategy = three_clients(tmp_path, "sequential")
-    manager = client_manager(3)
+    manager = synthetic_grid(3)
     orders = []
     for rnd in range(1, 6):
         start = {p: flat(m).copy() for p, m in strategy.client_models.items()}
@@ -55,7 +53,7 @@ def test_the_sequential_order_is_drawn_from_the_seed_and_the_round(tmp_path):
     orders = []
     for folder in ("a", "b"):
         strategy = three_clients(tmp_path / folder, "sequential")
-        manager = client_manager(3)
+        manager = synthetic_grid(3)
         orders.append([list(synthetic_round(strategy, manager, rnd, plus_one)) for rnd in range(1, 8)])
     assert orders[0] == orders[1]
     assert len({tuple(order) for order in orders[0]}) > 1
@@ -63,7 +61,7 @@ def test_the_sequential_order_is_drawn_from_the_seed_and_the_round(tmp_path):
 
 def test_synchronous_clients_receive_the_models_of_the_round_before(tmp_path):
     strategy = three_clients(tmp_path, "synchronous")
-    manager = client_manager(3)
+    manager = synthetic_grid(3)
     for rnd in (1, 2):
         start = {p: flat(m).copy() for p, m in strategy.client_models.items()}
         received = synthetic_round(strategy, manager, rnd, plus_one)
@@ -78,7 +76,7 @@ def test_a_sequential_round_records_like_a_synchronous_one(tmp_path):
     rows = {}
     for order in ("synchronous", "sequential"):
         strategy = three_clients(tmp_path / order, order, DAC, DACOptions)
-        manager = client_manager(3)
+        manager = synthetic_grid(3)
         synthetic_round(strategy, manager, 1, plus_one, fail=[1])
         synthetic_round(strategy, manager, 2, plus_one)
         rows[order] = connect_test_run(strategy).recorder.rows
@@ -90,39 +88,48 @@ def test_a_sequential_round_records_like_a_synchronous_one(tmp_path):
             assert sync[key] == seq[key], key
 
 
-def test_sequential_rounds_refuse_to_run_as_flowers_synchronous_round(tmp_path):
-    """On an engine that instructs every client at once (Ray), the strategy refuses rather than
-    playing a synchronous round under the name sequential."""
+def test_a_round_of_turns_sends_one_message_at_a_time(tmp_path):
+    """A grid sends what it is given: a sequential round is one exchange per client, each made after
+    the previous reply was absorbed, so it plays on every grid (Flower's, ours)."""
     strategy = three_clients(tmp_path, "sequential")
-    connect_test_run(strategy)
-    with pytest.raises(RuntimeError, match="strategy.round_order: sequential.*simulation.engine: inprocess"):
-        strategy.configure_fit(1, None, client_manager(3))
-    with pytest.raises(ValueError, match="batched engine: set simulation.engine: inprocess"):
-        play_round(strategy, client_manager(3), 1, rendezvous=object())
+    grid = synthetic_grid(3)
+    exchanges = []
+    send = grid.send_and_receive
+
+    def counted(messages, timeout=None):
+        messages = list(messages)
+        exchanges.append(len(messages))
+        return send(messages, timeout=timeout)
+
+    grid.send_and_receive = counted
+    synthetic_round(strategy, grid, 1, plus_one)
+    synthetic_round(strategy, grid, 2, plus_one)
+    # round 1: who is who (3 queries), 3 turns, 3 evaluations; round 2: 3 turns, 3 evaluations
+    assert exchanges == [3, 1, 1, 1, 3, 1, 1, 1, 3]
 
 
-@pytest.mark.parametrize("engine", ["ray", "batched"])
-def test_sequential_needs_the_inprocess_engine(engine):
+@pytest.mark.parametrize("engine", ["ray", "batched", "inprocess"])
+def test_sequential_rounds_are_accepted_on_every_engine(engine):
     overrides = ("strategy.name=dac", "strategy.round_order=sequential", f"simulation.engine={engine}")
-    with pytest.raises(ConfigError, match=r"^strategy.round_order: .*one after another, which only simulation.engine "
-                                          rf"inprocess can do \(simulation.engine is {engine}\): set simulation.engine: inprocess"):
-        load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
-    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*overrides[:2], "simulation.engine=inprocess")])
-    assert config.strategy.options.round_order == "sequential"
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
+    assert config.strategy.options.round_order == "sequential" and config.simulation.engine == engine
 
 
-def test_sequential_dac_runs_on_real_clients(tmp_path):
-    """In process on digits: pretraining then sequential exchanges; nothing refused, every client
-    trained every round."""
-    from fedcluster_flwr.engines.inprocess import run_in_process
+def test_sequential_dac_runs_on_real_clients_alike_on_both_in_process_engines(tmp_path):
+    """On digits: pretraining then sequential exchanges; nothing refused, every client trained every
+    round; the batched engine (one client per exchange) makes the same decisions as inprocess."""
+    from fedcluster_flwr.apps.server_app import run_in_process
 
     overrides = ("rounds=3", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[6,4]",
                  "partition.num_clients=10", "strategy.name=dac", "strategy.client_fraction=1.0",
-                 "strategy.num_neighbours=2", "strategy.round_order=sequential", "simulation.engine=inprocess",
-                 "client.epochs=1")
-    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
-    strategy = run_in_process(config, tmp_path / "run")
-    rows = strategy.observer.recorder.rows
-    assert [r["phase"] for r in rows] == ["pretrain", "dac", "dac"]
-    assert all(r["fit_clients"] == list(range(10)) and r["rejected_updates"] + r["fit_failures"] == 0 for r in rows)
-    assert strategy.communication.sum() == 2 * 10 * 2 and np.isfinite(rows[-1]["mean_train_loss"])
+                 "strategy.num_neighbours=2", "strategy.round_order=sequential", "client.epochs=1")
+    runs = {}
+    for engine in ("inprocess", "batched"):
+        config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (*overrides, f"simulation.engine={engine}")])
+        runs[engine] = strategy = run_in_process(config, tmp_path / engine)
+        rows = strategy.observer.recorder.rows
+        assert [r["phase"] for r in rows] == ["pretrain", "dac", "dac"]
+        assert all(r["fit_clients"] == list(range(10)) and r["rejected_updates"] + r["fit_failures"] == 0 for r in rows)
+        assert strategy.communication.sum() == 2 * 10 * 2 and np.isfinite(rows[-1]["mean_train_loss"])
+    np.testing.assert_array_equal(runs["inprocess"].communication, runs["batched"].communication)
+    assert runs["inprocess"].assignment.tolist() == runs["batched"].assignment.tolist()

@@ -161,7 +161,7 @@ def test_a_driver_joining_a_ray_cluster_leaves_the_gpu_check_to_the_clients(tmp_
 def test_a_run_whose_models_collapsed_says_so(tmp_path):
     """A diverged run (lr 20) ends with every client no better than always answering its most common
     test label: the summary names them and the printout warns; a run that learned names none."""
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.apps.server_app import run_in_process
     from fedcluster_flwr.run_files import format_summary, read_summary
 
     tiny = ("strategy.name=fedavg", "rounds=2", "partition.num_clients=6", "partition.num_groups=2", "client.epochs=1",

@@ -19,7 +19,7 @@ from fedcluster_flwr.config import load_config, parse_override
 from fedcluster_flwr.engines import batched as batched_module
 from fedcluster_flwr.engines import stacked
 from fedcluster_flwr.engines.batched import BatchPolicy, EngineError, Request, execute
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.engines.stacked import (
     ClientBatchData, StackedOptimizer, evaluation_sums, stack_parameters, train_stacked, train_steps,
 )

@@ -9,12 +9,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from flwr.server.client_manager import SimpleClientManager
 
 from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.algorithms.base import FederationError
-from fedcluster_flwr.protocol import ACCURACY, TASK_KEY, TRAIN_LOSS, VAL_LOSS
+from fedcluster_flwr.protocol import ACCURACY, CONFIG, ROUND_KEY, TRAIN_LOSS, VAL_LOSS
 from fedcluster_flwr.aggregation import weighted_mean
 from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED, RoundReport
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions, LocalOnly, LocalOptions, OracleClusters
@@ -24,10 +23,13 @@ from helpers import (
     connect_test_run,
     DIM,
     SHAPES,
-    FakeProxy,
+    SyntheticGrid,
+    SyntheticNode,
+    configure,
+    reply_to,
     Received,
     SyntheticClient,
-    client_manager,
+    synthetic_grid,
     constant_model,
     synthetic_round,
     evaluated_at_80_percent,
@@ -59,7 +61,7 @@ def group_trainer(groups: np.ndarray, noise_per_client_and_round: bool = False) 
             losses = [np.linalg.norm(flat(m) - target) for m in client.models]
             chosen = int(np.argmin(losses))
             metrics |= select_metrics(chosen, losses)
-        noise = np.random.default_rng([client.pid, int(client.config["round"])]) if noise_per_client_and_round else rng
+        noise = np.random.default_rng([client.pid, int(client.config[ROUND_KEY])]) if noise_per_client_and_round else rng
         w = flat(client.models[chosen])
         return unflatten(w + 0.5 * (target - w) + 0.01 * noise.normal(size=DIM)), 10 + client.pid, metrics
 
@@ -104,7 +106,7 @@ def test_weighted_mean_weights_by_examples():
 
 def test_fedavg_samples_a_fraction_and_averages_by_examples(tmp_path):
     strategy = FedAvg(FractionOptions(client_fraction=0.5), make_setup(tmp_path, 8))
-    manager = client_manager(8)
+    manager = synthetic_grid(8)
     trained = {}
 
     def train(client: Received):
@@ -120,7 +122,7 @@ def test_fedavg_samples_a_fraction_and_averages_by_examples(tmp_path):
 def test_each_round_records_who_trained_and_every_clients_accuracy(tmp_path):
     """rounds.jsonl's fit_clients and client_accuracy: what post-clustering analyses read."""
     strategy = FedAvg(FractionOptions(client_fraction=0.5), make_setup(tmp_path, 8))
-    received = synthetic_round(strategy, client_manager(8), 1, group_trainer(np.zeros(8, dtype=int)),
+    received = synthetic_round(strategy, synthetic_grid(8), 1, group_trainer(np.zeros(8, dtype=int)),
                            evaluate=lambda pid, w: (0.5, {ACCURACY: pid / 10}))
     (row,) = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert row["fit_clients"] == sorted(received) and len(received) == 4
@@ -130,26 +132,25 @@ def test_each_round_records_who_trained_and_every_clients_accuracy(tmp_path):
 def test_sampling_is_seeded(tmp_path):
     def picks(seed, folder):
         setup = replace(make_setup(tmp_path / folder, 20), seed=seed)
-        return sorted(synthetic_round(FedAvg(FractionOptions(0.25), setup), client_manager(20), 1, group_trainer(np.zeros(20, int))))
+        return sorted(synthetic_round(FedAvg(FractionOptions(0.25), setup), synthetic_grid(20), 1, group_trainer(np.zeros(20, int))))
 
     first, again, other = picks(0, "a"), picks(0, "b"), picks(1, "c")
     assert first == again and len(first) == 5
     assert other != first and first != list(range(5))
 
 
-def test_each_client_gets_its_own_fit_instruction(tmp_path):
-    """Flower issues #2704/#2780: one shared FitIns mutated for one client changes all."""
+def test_each_client_gets_its_own_instruction(tmp_path):
+    """Flower issues #2704/#2780: one shared instruction mutated for one client changes all."""
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
     connect_test_run(strategy)
-    instructions = strategy.configure_fit(1, None, client_manager(4))
-    configs = [ins.config for _, ins in instructions]
-    configs[0][TASK_KEY] = "changed"
-    assert all(c[TASK_KEY] == "train" for c in configs[1:])
+    configs = [message.content[CONFIG] for message in configure(strategy, 1, synthetic_grid(4))]
+    configs[0][ROUND_KEY] = 99
+    assert all(c[ROUND_KEY] == 1 for c in configs[1:])
 
 
 def test_failed_and_corrupt_updates_never_reach_the_model(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
-    manager = client_manager(4)
+    manager = synthetic_grid(4)
     synthetic_round(strategy, manager, 1, lambda client: (constant_model(1.0), 5, {}), fail={0}, corrupt={1})
     assert all(np.isfinite(a).all() for a in strategy.models[0])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)
@@ -159,14 +160,14 @@ def test_failed_and_corrupt_updates_never_reach_the_model(tmp_path):
 
 def test_wrong_shapes_are_rejected(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2))
-    synthetic_round(strategy, client_manager(2), 1, lambda client: ([np.ones((2, 2), np.float32)], 5, {}))
+    synthetic_round(strategy, synthetic_grid(2), 1, lambda client: ([np.ones((2, 2), np.float32)], 5, {}))
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
     assert json.loads((tmp_path / "rounds.jsonl").read_text())["rejected_updates"] == 2
 
 
 def test_all_failures_keep_the_previous_model_and_the_run_goes_on(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, rounds=2))
-    manager = client_manager(3)
+    manager = synthetic_grid(3)
     synthetic_round(strategy, manager, 1, group_trainer(np.zeros(3, int)), fail={0, 1, 2})
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
     synthetic_round(strategy, manager, 2, group_trainer(np.zeros(3, int)))
@@ -175,7 +176,7 @@ def test_all_failures_keep_the_previous_model_and_the_run_goes_on(tmp_path):
 
 def test_local_clients_never_share_models(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 3))
-    synthetic_round(strategy, client_manager(3), 1, lambda client: (constant_model(client.pid), 5, {}))
+    synthetic_round(strategy, synthetic_grid(3), 1, lambda client: (constant_model(client.pid), 5, {}))
     for pid in range(3):
         np.testing.assert_allclose(strategy.client_models[pid][0], pid)
 
@@ -183,7 +184,7 @@ def test_local_clients_never_share_models(tmp_path):
 def test_oracle_averages_only_inside_true_clusters(tmp_path):
     true = np.array([0, 0, 1, 1])
     strategy = OracleClusters(FractionOptions(1.0), make_setup(tmp_path, 4, true=true))
-    received = synthetic_round(strategy, client_manager(4), 1, lambda client: (constant_model(10 * true[client.pid]), 5, {}))
+    received = synthetic_round(strategy, synthetic_grid(4), 1, lambda client: (constant_model(10 * true[client.pid]), 5, {}))
     assert set(received) == {0, 1, 2, 3}
     np.testing.assert_allclose(strategy.models[0][0], 0.0)
     np.testing.assert_allclose(strategy.models[1][0], 10.0)
@@ -193,12 +194,12 @@ def test_federation_with_the_wrong_number_of_nodes_is_refused(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4))
     connect_test_run(strategy)
     with pytest.raises(FederationError, match="num-supernodes=4"):
-        strategy.configure_fit(1, None, client_manager(2, reported=2))
+        configure(strategy, 1, synthetic_grid(2, reported=2))
 
 
 def test_late_joiner_is_offline_until_its_round(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3, join_round={2: 3}))
-    manager = client_manager(3)
+    manager = synthetic_grid(3)
     trainer = group_trainer(np.zeros(3, int))
     assert set(synthetic_round(strategy, manager, 1, trainer)) == {0, 1}
     assert set(synthetic_round(strategy, manager, 3, trainer)) == {0, 1, 2}
@@ -216,7 +217,7 @@ def flhc(tmp_path, rounds=8, **options) -> FLHC:
 
 
 def test_flhc_runs_fedavg_then_clusters_all_updates_then_trains_clusters(tmp_path):
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):  # FedAvg with cf: 3 of 12 clients, all on the joint model
         received = synthetic_round(strategy, manager, rnd, train)
         assert len(received) == 3 and strategy.phase(rnd) == "fedavg"
@@ -242,7 +243,7 @@ def test_flhc_runs_fedavg_then_clusters_all_updates_then_trains_clusters(tmp_pat
 
 
 def test_flhc_cluster_models_start_from_the_joint_model_and_average_members(tmp_path):
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
     joint_before_clustering = flat(strategy.models[0]).copy()
@@ -260,7 +261,7 @@ def test_after_clustering_only_the_sampled_members_shape_a_cluster_model(tmp_pat
     cluster of 4 with client_fraction 0.25 trains one member, and its update alone becomes the
     model that all 4 are evaluated on. In a cluster mixing label sets the 3 others lose what only
     they taught it (benchmarks/flhc/post_clustering.py measures this on pathological MNIST)."""
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2, 3):
         synthetic_round(strategy, manager, rnd, train)
     train.forget()
@@ -277,7 +278,7 @@ def test_after_clustering_only_the_sampled_members_shape_a_cluster_model(tmp_pat
 def test_flhc_threshold_cut_on_update_distances(tmp_path):
     """A threshold between within-group and across-group update distances finds the groups."""
     strategy = flhc(tmp_path, num_clusters=None, threshold=4.0)
-    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
         synthetic_round(strategy, manager, rnd, train)
     assert strategy.clustering.num_clusters == 3
@@ -287,13 +288,13 @@ def test_flhc_threshold_cut_on_update_distances(tmp_path):
 
     above_every_merge = flhc(tmp_path / "above", num_clusters=None, threshold=float(merges[-1]) + 1.0)
     for rnd in (1, 2, 3):
-        synthetic_round(above_every_merge, client_manager(len(GROUPS)), rnd, train)
+        synthetic_round(above_every_merge, synthetic_grid(len(GROUPS)), rnd, train)
     assert above_every_merge.clustering.num_clusters == 1  # what no silhouette cut gives
 
 
 def test_flhc_num_clusters_cuts_into_that_many_clusters(tmp_path):
     strategy = flhc(tmp_path, num_clusters=2)  # the groups are 3, and the silhouette finds 3
-    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
         synthetic_round(strategy, manager, rnd, train)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -303,7 +304,7 @@ def test_flhc_num_clusters_cuts_into_that_many_clusters(tmp_path):
 
 def test_flhc_without_a_cut_cuts_at_the_largest_silhouette_and_says_so(tmp_path):
     strategy = flhc(tmp_path, num_clusters=None, threshold=None)
-    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
         synthetic_round(strategy, manager, rnd, train)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -311,7 +312,7 @@ def test_flhc_without_a_cut_cuts_at_the_largest_silhouette_and_says_so(tmp_path)
 
 
 def test_client_absent_from_clustering_joins_the_cluster_with_lowest_training_loss(tmp_path):
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     absent = 5  # true group 1
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train, fail={absent})
@@ -335,7 +336,7 @@ def test_client_joining_after_clustering_is_placed_by_training_loss(tmp_path):
         FLHCOptions(client_fraction=0.25, rounds_before_clustering=1, distance="cosine", linkage="complete", num_clusters=3),
         make_setup(tmp_path, len(GROUPS), true=GROUPS, rounds=6, join_round={newcomer: 4}),
     )
-    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
         received = synthetic_round(strategy, manager, rnd, train)
         assert newcomer not in received
@@ -345,7 +346,7 @@ def test_client_joining_after_clustering_is_placed_by_training_loss(tmp_path):
 
 
 def test_train_select_without_a_valid_choice_is_rejected(tmp_path):
-    strategy, manager = flhc(tmp_path), client_manager(len(GROUPS))
+    strategy, manager = flhc(tmp_path), synthetic_grid(len(GROUPS))
     train = group_trainer(GROUPS)
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
@@ -361,7 +362,7 @@ def test_train_select_without_a_valid_choice_is_rejected(tmp_path):
 
 
 def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
     synthetic_round(strategy, manager, 3, train, fail=set(range(len(GROUPS))))
@@ -373,7 +374,7 @@ def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
 
 
 def test_results_contract_files(tmp_path):
-    strategy, manager, train = flhc(tmp_path, rounds=5), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path, rounds=5), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in range(1, 6):
         synthetic_round(strategy, manager, rnd, train, evaluate=lambda pid, w: (0.5, {ACCURACY: 0.4 + 0.1 * (pid % 3)}))
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
@@ -408,13 +409,13 @@ def test_results_contract_files(tmp_path):
 
 
 def test_two_clients_claiming_one_partition_id_keep_the_first(tmp_path):
-    manager = client_manager(3)
-    manager.register(FakeProxy("impostor", 1, 3))
+    grid = synthetic_grid(3)
+    grid.add(SyntheticNode("impostor", 1, 3))
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3))
     connect_test_run(strategy)
-    instructions = strategy.configure_fit(1, None, manager)
-    assert sorted(proxy.pid for proxy, _ in instructions) == [0, 1, 2]
-    assert "impostor" not in {proxy.cid for proxy, _ in instructions}
+    messages = configure(strategy, 1, grid)
+    assert grid.pids(messages) == [0, 1, 2]
+    assert "impostor" not in {grid.name_of(m.metadata.dst_node_id) for m in messages}
 
 
 # ---- hostile and unlucky federations (review findings) ------------------------------
@@ -423,7 +424,7 @@ def test_two_clients_claiming_one_partition_id_keep_the_first(tmp_path):
 def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
     outcomes = []
     for order_seed in (1, 2):
-        strategy, manager = flhc(tmp_path / str(order_seed), linkage="single"), client_manager(len(GROUPS))
+        strategy, manager = flhc(tmp_path / str(order_seed), linkage="single"), synthetic_grid(len(GROUPS))
         train = group_trainer(GROUPS)
         for rnd in (1, 2):
             synthetic_round(strategy, manager, rnd, train)
@@ -442,18 +443,21 @@ def test_clusters_do_not_depend_on_the_order_results_arrive(tmp_path):
         lambda ok: fit_res([w.astype(np.int64) for w in ok]),
         lambda ok: fit_res(ok, n=10**18),
         lambda ok: fit_res(ok, n=0),
+        lambda ok: fit_res(ok, n=0.001),
+        lambda ok: fit_res(ok, n=1.5),
+        lambda ok: fit_res(ok, n=1e-300),
+        lambda ok: fit_res(ok, metrics={TRAIN_LOSS: float("inf")}),
     ],
-    ids=["garbage-bytes", "strings", "huge-values", "integers", "absurd-num-examples", "no-examples"],
+    ids=["garbage-bytes", "strings", "huge-values", "integers", "absurd-num-examples", "no-examples",
+         "a-thousandth-example", "one-and-a-half-examples", "1e-300-examples", "infinite-train-loss"],
 )
 def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply):
     setup = make_setup(tmp_path, 2, train_sizes=[50, 50])
     strategy = FedAvg(FractionOptions(1.0), setup)
     connect_test_run(strategy)
-    manager = client_manager(2)
-    instructions = strategy.configure_fit(1, None, manager)
+    messages = configure(strategy, 1, synthetic_grid(2))
     good = constant_model(1.0)
-    results = [(instructions[0][0], fit_res(good)), (instructions[1][0], reply(good))]
-    strategy.aggregate_fit(1, results, [])
+    strategy.aggregate_train(1, [reply_to(messages[0], fit_res(good)), reply_to(messages[1], reply(good))])
     np.testing.assert_allclose(strategy.models[0][0], 1.0)  # only the good update counted
     assert strategy.counters.rejected_updates == 1
 
@@ -461,7 +465,7 @@ def test_a_hostile_reply_is_rejected_without_stopping_the_server(tmp_path, reply
 def test_bad_metrics_never_become_results(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 4, rounds=1))
     accuracies = [0.5, "high", 1e6, float("nan")]
-    synthetic_round(strategy, client_manager(4), 1, lambda client: (constant_model(1.0), 10, {TRAIN_LOSS: "x"}),
+    synthetic_round(strategy, synthetic_grid(4), 1, lambda client: (constant_model(1.0), 10, {TRAIN_LOSS: "x"}),
                 evaluate=lambda pid, w: (0.1, {ACCURACY: accuracies[pid]}))
     row = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[0])
     assert row["mean_client_accuracy"] == 0.5 and row["eval_failures"] == 3
@@ -469,41 +473,38 @@ def test_bad_metrics_never_become_results(tmp_path):
 
 
 def test_malformed_partition_ids_are_ignored(tmp_path):
-    manager = client_manager(2)
-    manager.register(FakeProxy("odd", "x", 2))
-    manager.register(FakeProxy("float", 1.0, 2))
+    grid = synthetic_grid(2)
+    grid.add(SyntheticNode("odd", "x", 2))
+    grid.add(SyntheticNode("float", 1.0, 2))
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2))
     connect_test_run(strategy)
-    assert sorted(p.pid for p, _ in strategy.configure_fit(1, None, manager)) == [0, 1]
+    assert grid.pids(configure(strategy, 1, grid)) == [0, 1]
 
 
 def test_a_restarted_supernode_takes_its_partition_back(tmp_path):
-    manager = client_manager(3)
+    grid = synthetic_grid(3)
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 3))
     connect_test_run(strategy)
-    strategy.configure_fit(1, None, manager)
-    old = next(p for p in manager.all().values() if p.pid == 1)
-    manager.unregister(old)
-    manager.register(FakeProxy("restarted", 1, 3))
-    instructions = strategy.configure_fit(2, None, manager)
-    assert "restarted" in {proxy.cid for proxy, _ in instructions}
+    configure(strategy, 1, grid)
+    grid.remove("1")
+    grid.add(SyntheticNode("restarted", 1, 3))
+    messages = configure(strategy, 2, grid)
+    assert "restarted" in {grid.name_of(m.metadata.dst_node_id) for m in messages}
 
 
 def test_no_answering_client_stops_the_run_with_the_reason(tmp_path):
-    class Broken(FakeProxy):
-        def get_properties(self, ins, timeout, group_id):
-            raise ValueError("client_fn failed: CUDA unavailable")
+    def broken():
+        raise ValueError("client_fn failed: CUDA unavailable")
 
-    manager = SimpleClientManager()
-    manager.register(Broken("1", 0, 1))
+    grid = SyntheticGrid([SyntheticNode("1", 0, 1, identify=broken)])
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 1))
     connect_test_run(strategy)
     with pytest.raises(FederationError, match="CUDA unavailable"):
-        strategy.configure_fit(1, None, manager)
+        configure(strategy, 1, grid)
 
 
 def test_clustering_waits_for_a_quorum_of_updates(tmp_path):
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
     synthetic_round(strategy, manager, 3, train, fail=set(range(9)))  # 3 of 12 < 0.5 quorum
@@ -513,7 +514,7 @@ def test_clustering_waits_for_a_quorum_of_updates(tmp_path):
 
 
 def test_exactly_a_quorum_of_updates_is_enough_to_cluster(tmp_path):
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
     synthetic_round(strategy, manager, 3, train, fail=set(range(6)))  # 6 of 12 = the 0.5 quorum
@@ -521,7 +522,7 @@ def test_exactly_a_quorum_of_updates_is_enough_to_cluster(tmp_path):
 
 
 def test_a_quorum_below_one_update_clusters_the_one_that_came(tmp_path):
-    strategy, manager, train = flhc(tmp_path, clustering_quorum=0.05), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path, clustering_quorum=0.05), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
     synthetic_round(strategy, manager, 3, train, fail=set(range(1, len(GROUPS))))  # 1 of 12 >= 0.6, and >= 1
@@ -531,7 +532,7 @@ def test_a_quorum_below_one_update_clusters_the_one_that_came(tmp_path):
 def test_the_clustering_its_postponement_and_its_failure_are_logged(tmp_path, caplog, monkeypatch):
     from fedcluster_flwr.algorithms.flhc import strategy as flhc_module
 
-    strategy, manager, train = flhc(tmp_path), client_manager(len(GROUPS)), group_trainer(GROUPS)
+    strategy, manager, train = flhc(tmp_path), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
 
@@ -565,7 +566,7 @@ def test_the_projection_of_the_updates_is_drawn_from_the_runs_seed(tmp_path):
         strategy = FLHC(FLHCOptions(client_fraction=1.0, rounds_before_clustering=1, num_clusters=3, projection_dim=4,
                                     save_updates=True),
                         make_setup(tmp_path / folder, len(GROUPS), true=GROUPS, rounds=4, seed=seed))
-        manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+        manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
         for rnd in (1, 2):
             synthetic_round(strategy, manager, rnd, train)
         saved[folder] = np.load(tmp_path / folder / "updates.npy")
@@ -583,7 +584,7 @@ def test_round_means_do_not_depend_on_reply_order(tmp_path):
     means = []
     for order_seed in (1, 2, 3):
         strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path / str(order_seed), 10))
-        synthetic_round(strategy, client_manager(10), 1, lambda client: (constant_model(1.0), 10, {}),
+        synthetic_round(strategy, synthetic_grid(10), 1, lambda client: (constant_model(1.0), 10, {}),
                     evaluate=lambda pid, w: (accuracies[pid] / 3, {ACCURACY: accuracies[pid]}),
                     shuffle=np.random.default_rng(order_seed))
         row = json.loads((tmp_path / str(order_seed) / "rounds.jsonl").read_text())
@@ -602,11 +603,11 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     train = group_trainer(GROUPS, noise_per_client_and_round=True)
     whole = strategy_in(tmp_path / "whole", join_round={7: 5})
     for rnd in range(1, 7):
-        synthetic_round(whole, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
+        synthetic_round(whole, synthetic_grid(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
 
     first = strategy_in(tmp_path / "resumed", join_round={7: 5})
     for rnd in range(1, 4):
-        synthetic_round(first, client_manager(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
+        synthetic_round(first, synthetic_grid(len(GROUPS)), rnd, train, fail={4} if rnd == 3 else set())
     checkpoint = load_checkpoint(tmp_path / "resumed")
     assert checkpoint["round"] == 3 and checkpoint["strategy"]["joint_model"] is not None
 
@@ -614,7 +615,7 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     resumed = FLHC(first.options, setup)
     resume(resumed, connect_test_run(resumed, resuming=True), checkpoint)
     for flower_round in (1, 2, 3):  # Flower counts the remaining rounds from 1 again
-        synthetic_round(resumed, client_manager(len(GROUPS)), flower_round, train)
+        synthetic_round(resumed, synthetic_grid(len(GROUPS)), flower_round, train)
 
     assert resumed.assignment.tolist() == whole.assignment.tolist()
     for cluster in whole.models:
@@ -631,7 +632,7 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
 def test_flhc_clusters_projected_updates(tmp_path):
     """projection_dim < model size: updates are projected on arrival and still cluster."""
     strategy = flhc(tmp_path, projection_dim=8, save_updates=True)
-    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
         synthetic_round(strategy, manager, rnd, train)
     saved = np.load(tmp_path / "updates.npy")
@@ -642,7 +643,7 @@ def test_flhc_clusters_projected_updates(tmp_path):
 
 def test_saved_updates_are_the_clients_deltas(tmp_path):
     strategy = flhc(tmp_path, save_updates=True)
-    manager, train = client_manager(len(GROUPS)), Recording(group_trainer(GROUPS))
+    manager, train = synthetic_grid(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
     joint = flat(strategy.models[0]).copy()
@@ -659,7 +660,7 @@ def test_dendrogram_draws_the_threshold(tmp_path, monkeypatch):
     original = matplotlib.axes.Axes.axhline
     monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda self, y=0, *a, **k: drawn.append(y) or original(self, y, *a, **k))
     strategy = flhc(tmp_path, num_clusters=None, threshold=4.0)
-    manager, train = client_manager(len(GROUPS)), group_trainer(GROUPS)
+    manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in (1, 2, 3):
         synthetic_round(strategy, manager, rnd, train)
     assert 4.0 in drawn and (tmp_path / "dendrogram.png").stat().st_size > 0
@@ -667,7 +668,7 @@ def test_dendrogram_draws_the_threshold(tmp_path, monkeypatch):
 
 def test_a_float64_reply_is_stored_in_the_models_dtype(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 2))
-    synthetic_round(strategy, client_manager(2), 1, lambda client: (constant_model(0.1, np.float64), 10, {}))
+    synthetic_round(strategy, synthetic_grid(2), 1, lambda client: (constant_model(0.1, np.float64), 10, {}))
     assert all(a.dtype == np.float32 for a in strategy.client_models[0])
     np.testing.assert_allclose(strategy.client_models[0][0], 0.1, rtol=1e-6)
 
@@ -675,12 +676,12 @@ def test_a_float64_reply_is_stored_in_the_models_dtype(tmp_path):
 def test_local_trains_every_client_every_round(tmp_path):
     strategy = LocalOnly(LocalOptions(), make_setup(tmp_path, 5))
     for rnd in (1, 2):
-        assert sorted(synthetic_round(strategy, client_manager(5), rnd, group_trainer(np.zeros(5, int)))) == [0, 1, 2, 3, 4]
+        assert sorted(synthetic_round(strategy, synthetic_grid(5), rnd, group_trainer(np.zeros(5, int)))) == [0, 1, 2, 3, 4]
 
 
 def test_a_torn_checkpoint_is_detected(tmp_path):
     strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2, rounds=2, checkpoint_every=1))
-    manager = client_manager(2)
+    manager = synthetic_grid(2)
     synthetic_round(strategy, manager, 1, group_trainer(np.zeros(2, int)))
     state_after_round_1 = (tmp_path / "checkpoint" / "state.json").read_text()
     synthetic_round(strategy, manager, 2, group_trainer(np.zeros(2, int)))
@@ -703,7 +704,7 @@ def test_every_strategy_reports_the_accuracy_of_each_clients_best_validated_mode
     trainer = group_trainer(np.array([0, 0, 1, 1]))
     for rnd, (val_loss, accuracy) in enumerate([(0.9, 0.5), (0.4, 0.7), (0.6, 0.9)], start=1):
         reported = {ACCURACY: accuracy, VAL_LOSS: val_loss}
-        synthetic_round(strategy, client_manager(4), rnd, trainer, evaluate=lambda pid, w, reported=reported: (0.5, reported))
+        synthetic_round(strategy, synthetic_grid(4), rnd, trainer, evaluate=lambda pid, w, reported=reported: (0.5, reported))
     rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["mean_best_val_accuracy"] for r in rows] == [0.5, 0.7, 0.7]  # round 2's models kept the lowest val loss
     assert rows[-1]["per_true_cluster_best_val_accuracy"] == pytest.approx({"0": 0.7, "1": 0.7})

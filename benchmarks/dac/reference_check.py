@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engines.inprocess import run_in_process
+from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import experiment_data, model_factory
 from fedcluster_flwr.registry import strategy_class
 from fedcluster_flwr.schema import ConfigError

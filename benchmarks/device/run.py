@@ -38,7 +38,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FEDCLUSTER_SYNC_DEBUG", "warn")  # a host sync inside the stacked step loop is logged on a GPU
 
 from fedcluster_flwr.config import load_config, parse_override  # noqa: E402
-from fedcluster_flwr.engines.inprocess import run_in_process  # noqa: E402
+from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
 
 ACCURACY_TOLERANCE = 1e-3  # on a GPU the two engines' kernels differ more than on a CPU
 TINY_DAC = ("partition.num_clients=20", "partition.cluster_sizes=[5,5,5,5]", "partition.samples_per_client=60",

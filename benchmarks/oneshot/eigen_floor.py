@@ -57,7 +57,7 @@ def relevance_for(seed: int, k: int, floors: list[float]) -> tuple[dict[float, n
 
 def verify(seed: int, k: int, floor: float, expected: np.ndarray) -> float:
     """Largest |R_run − R_here| of an in-process run of the conf (2 one-shot rounds + 1 training)."""
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.apps.server_app import run_in_process
 
     config, _ = load_config(CONF, [("seed", seed), ("rounds", 3), ("strategy.num_eigenvectors", k),
                                    ("strategy.eigen_floor", floor)])

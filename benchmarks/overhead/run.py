@@ -205,7 +205,7 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def inprocess_worker(args: argparse.Namespace) -> dict[str, Any]:
     """d: the in-process driver (one torch thread, as it runs)."""
-    from fedcluster_flwr.engines.inprocess import run_in_process
+    from fedcluster_flwr.apps.server_app import run_in_process
 
     config = bench_config(args.set, args.rounds)
     stamps = _Stamps()

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..client import ClientData, ClusterClient
-from ..protocol import DATA_SOURCE, DATA_SOURCE_FOLDER, TRAIN_EXAMPLES, TRUE_CLUSTER
+from ..protocol import OWN_DATA, TRAIN_EXAMPLES, TRUE_CLUSTER
 from .datasets import DataError
 from .sources import InputFormat
 
@@ -249,8 +249,6 @@ class DeviceClient(ClusterClient):
         super().__init__(*args, **kwargs)
         self.cluster_id = cluster_id
 
-    def get_properties(self, config: dict[str, Any]) -> dict[str, Any]:
-        facts = {DATA_SOURCE: DATA_SOURCE_FOLDER, TRAIN_EXAMPLES: self.num_train}
-        if self.cluster_id is not None:
-            facts[TRUE_CLUSTER] = self.cluster_id
-        return super().get_properties(config) | facts
+    def identity(self) -> dict[str, int]:
+        return super().identity() | {
+            OWN_DATA: 1, TRAIN_EXAMPLES: self.num_train, TRUE_CLUSTER: -1 if self.cluster_id is None else self.cluster_id}

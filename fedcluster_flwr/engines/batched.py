@@ -1,9 +1,9 @@
-"""The batched engine: a round's clients run their task handlers as usual, and the torch work the
-handlers ask for (local training, evaluation, a model's loss on the client's data) executes for
-all of them together.
+"""The batched engine: a round's clients run their task handlers as usual (on the batched grid,
+:class:`~fedcluster_flwr.engines.inprocess.BatchedGrid`), and the torch work the handlers ask for
+(local training, evaluation, a model's loss on the client's data) executes for all of them together.
 
-How, without a second copy of any algorithm: every client task's handler runs unchanged, each in a
-thread of its own, one handler at a time (:class:`Rendezvous`). When a handler asks its client's :class:`BatchedCompute`
+How, without a second copy of any algorithm: the ClientApp's handler of every message of an exchange
+runs unchanged, each in a thread of its own, one handler at a time (:class:`Rendezvous`). When a handler asks its client's :class:`BatchedCompute`
 to train or evaluate a model, the request is parked and the thread waits. Once every handler of
 the round is either waiting or done, the parked requests execute together (:func:`execute`):
 requests of one kind on one architecture and device, with equal training settings, run stacked

@@ -1,129 +1,166 @@
-"""Run a strategy against real ClusterClients in this process, without Ray: the ``inprocess`` and
-``batched`` engines (``simulation.engine``).
+"""The ``inprocess`` and ``batched`` engines: Flower ``Grid`` s whose nodes live in this process.
 
-Flower's server loop, reduced to what a strategy sees: configure_fit -> each client's
-``fit`` (an exception is a failure) -> aggregate_fit -> configure_evaluate -> evaluate ->
-aggregate_evaluate. The clients are the real NumPyClients behind Flower's ``Client``
-wrapper, so parameters travel serialized exactly as in a simulation; only the transport
-and the thread pool are missing (replies are handed over in partition-id order, which the
-strategies do not depend on). Fast and deterministic: the behaviour-preservation test,
-seed sweeps (``benchmarks/multimodel --paper``) and quick studies use it; a slow test shows it gives
-the Ray engine's rounds bit for bit, and end-to-end tests use Ray. :func:`play_round` is the one
-round loop: the tests drive strategies with it too, through synthetic clients.
+:class:`InProcessGrid` hands each message to the ClientApp as Flower's runtime does on a node:
+``client_app(message, context)``, with the node's ``Context`` (its node config, ``partition-id`` and
+``num-partitions``, and its ``state``, kept across rounds); a ClientApp that raises is an error reply
+(Flower's ``CLIENT_APP_RAISED_EXCEPTION``), what the strategy counts as that client's failure. The
+records travel as they are, already serialized by the sender, exactly as through Flower's grids;
+only the transport, Ray's actors and the polling are missing. A round's messages run one after
+another in node order, which is partition-id order (node ids are unrelated to partition ids, as
+Flower's are, but increase with them). Fast and deterministic: the behaviour-preservation test,
+seed sweeps and quick studies use it; a slow test shows it gives the Ray engine's rounds bit for bit.
 
-With ``simulation.engine: batched`` each client's handler runs in a thread of its own and the torch
-work of a round's clients executes together (:mod:`fedcluster_flwr.engines.batched`), spread over
-one worker thread per core (each on one torch thread, as every client is on the other engines).
+An exception that is not an ``Exception`` (Ctrl-C, ``SystemExit``) is never a client's failure: it
+stops the run, as does one the grid names its own (:meth:`InProcessGrid.engine_fault`, the batched
+engine's errors).
+
+:class:`BatchedGrid` is the same grid with an exchange's ClientApp calls run through the batched
+engine's rendezvous (:mod:`.batched`): each call in a thread of its own, the clients' torch work
+executed together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from flwr.common import Code
-from flwr.server.client_manager import ClientManager, SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
 
-from ..algorithms.base import StrategySetup
 from ..config_sections import ExperimentConfig
-from ..experiment import client_device, make_client, server_components
-from ..numerics import torch_threads
-from ..protocol import TASK_KEY
-from ..run_files import RoundRow
-from .batched import (
-    CPU_UNSTACKED_MODELS, BatchedCompute, BatchPolicy, EngineError, Rendezvous, cpu_threads, default_memory_bytes, execute,
-)
+from ..experiment import client_device
+from ..protocol import IDENTIFY
+from .batched import CPU_UNSTACKED_MODELS, BatchPolicy, EngineError, Rendezvous, cpu_threads, default_memory_bytes, execute
+
+ClientAppCall = Callable[[Message, Context], Message]  # a ClientApp, or anything called like one
+
+PARTITION_ID, NUM_PARTITIONS = "partition-id", "num-partitions"  # the node config Flower's simulation gives
 
 
-class InProcessProxy(ClientProxy):
-    """A Flower client proxy that calls a real ClusterClient directly."""
-
-    def __init__(self, config: ExperimentConfig, pid: int, rendezvous: Rendezvous | None = None):
-        super().__init__(f"node-{1000 + 7 * pid}")  # node ids unrelated to partition ids, as Flower's are
-        self.pid = pid
-        client = make_client(config, pid, config.partition.num_clients)
-        if rendezvous is not None:
-            client.compute = BatchedCompute(rendezvous, pid)
-        self.client = client.to_client()
-
-    def get_properties(self, ins, timeout, group_id):
-        return self.client.get_properties(ins)
-
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        return self.client.fit(ins)
-
-    def evaluate(self, ins, timeout, group_id):
-        return self.client.evaluate(ins)
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
+def node_id_of(pid: int) -> int:
+    """The node id of partition ``pid``'s node: unrelated to the partition id, as Flower's are."""
+    return 1000 + 7 * pid
 
 
-Arrival = Callable[[list], Any]  # reorders a round's results in place, as arrival order would
+def partition_node_configs(num_clients: int) -> list[dict[str, int]]:
+    """The node configs of a simulation of ``num_clients`` partitions, as Flower's simulation gives them."""
+    return [{PARTITION_ID: pid, NUM_PARTITIONS: num_clients} for pid in range(num_clients)]
 
 
-def play_round(
-    strategy: Any,
-    manager: ClientManager,
-    server_round: int,
-    rendezvous: Rendezvous | None = None,
-    arrival: Arrival | None = None,
-) -> None:
-    """One round as Flower's server plays it: configure_fit, every instructed client's ``fit`` (an
-    exception is a failure), aggregate_fit, configure_evaluate, ``evaluate``, aggregate_evaluate.
-    ``arrival`` reorders the fit and the evaluate results before the strategy sees them.
+class InProcessGrid(Grid):
+    """A Grid over nodes in this process; see the module docstring."""
 
-    A strategy whose clients take turns (``fit_turns`` gives them, :mod:`fedcluster_flwr.algorithms.base.turns`)
-    instead gets each client's result through aggregate_fit before the next client is instructed."""
-    turns = getattr(strategy, "fit_turns", lambda *_: None)(server_round, manager)
-    if turns is None:
-        results, failures = _call_all(strategy.configure_fit(server_round, None, manager), "fit", rendezvous)
-        if arrival is not None:
-            arrival(results)
-        strategy.aggregate_fit(server_round, results, failures)
-    elif rendezvous is not None:
-        raise ValueError("a round whose clients take turns cannot run on the batched engine: set simulation.engine: inprocess")
-    else:
-        for turn in turns:
-            strategy.aggregate_fit(server_round, *_call_all([turn], "fit"))
-    instructions = strategy.configure_evaluate(server_round, None, manager)
-    if instructions:  # as Flower's server: no evaluation round without instructions
-        results, failures = _call_all(instructions, "evaluate", rendezvous)
-        if arrival is not None:
-            arrival(results)
-        strategy.aggregate_evaluate(server_round, results, failures)
+    def __init__(
+        self,
+        client_app: ClientAppCall,
+        node_configs: Sequence[Mapping[str, Any]],
+        run_id: int = 1,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.client_app = client_app
+        self._run = Run.create_empty(run_id)
+        self.contexts = {
+            node_id_of(i): Context(run_id, node_id_of(i), dict(config), RecordDict(), dict(run_config or {}))
+            for i, config in enumerate(node_configs)
+        }
+        self._waiting: dict[str, Message] = {}  # message id -> instruction not yet run
+        self._replies: dict[str, Message] = {}  # instruction's message id -> its reply
+        self._sent = 0
+        # A ServerApp's messages name their run and sender (flwr.app.Message reads TaskIdentity), which
+        # Flower's runtime sets for the ServerApp's process; this process is that runtime here.
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, SUPERLINK_NODE_ID, 1
+
+    # ---- Flower's Grid ---------------------------------------------------------------------------
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Queue each message for its node; a message to a node this grid lacks is dropped (no reply
+        comes), as a SuperLink drops one to a node it does not know."""
+        ids = []
+        for message in messages:
+            self._sent += 1
+            message_id = f"{self._sent}"
+            message.metadata.__dict__["_message_id"] = message_id  # as Flower's InMemoryGrid sets it
+            if message.metadata.dst_node_id in self.contexts:
+                self._waiting[message_id] = message
+                ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        """The replies to ``message_ids``, running the ones still waiting first (in node order)."""
+        wanted = [i for i in message_ids if i in self._waiting or i in self._replies]
+        waiting = sorted((i for i in wanted if i in self._waiting), key=lambda i: self._waiting[i].metadata.dst_node_id)
+        for message_id, reply in zip(waiting, self.deliver([self._waiting.pop(i) for i in waiting])):
+            self._replies[message_id] = reply
+        return [self._replies.pop(i) for i in wanted if i in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    # ---- running the ClientApp -----------------------------------------------------------------
+
+    def deliver(self, messages: Sequence[Message]) -> list[Message]:
+        """Each message's reply from the ClientApp on its node, one after another."""
+        return [self.reply(message, self.outcome(lambda m=message: self.client_app(m, self.contexts[m.metadata.dst_node_id])))
+                for message in messages]
+
+    @staticmethod
+    def outcome(call: Callable[[], Message]) -> tuple[bool, Any]:
+        try:
+            return True, call()
+        except Exception as err:  # noqa: BLE001 - sorted by reply(): a client's failure or the engine's
+            return False, err
+
+    def reply(self, message: Message, outcome: tuple[bool, Any]) -> Message:
+        """The reply to ``message`` from its ClientApp call's outcome: the reply it returned, or an
+        error reply; an engine fault or a stop is raised instead."""
+        ok, value = outcome
+        if ok:
+            return value
+        if not isinstance(value, Exception) or self.engine_fault(value):
+            raise value
+        return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(value).__name__}: {value}"), reply_to=message)
+
+    def engine_fault(self, err: Exception) -> bool:
+        """Whether ``err`` is this engine's own fault rather than the client's (default: never)."""
+        return False
 
 
-def _call_all(instructions, method: str, rendezvous: Rendezvous | None = None) -> tuple[list, list]:
-    """Every instruction's call, in partition-id order (with ``rendezvous``: in threads that meet
-    at their torch work, replies still taken in partition-id order)."""
-    ordered = sorted(instructions, key=lambda item: item[0].pid)
-    calls = [lambda proxy=proxy, ins=ins: getattr(proxy, method)(ins, None, None) for proxy, ins in ordered]
-    if rendezvous is None:
-        outcomes = []
-        for call in calls:
-            try:
-                outcomes.append((True, call()))
-            except Exception as err:  # noqa: BLE001 - a raising client is a failure, as in Flower
-                outcomes.append((False, err))
-    else:
-        tasks = sorted({str(ins.config.get(TASK_KEY, method)) for _, ins in ordered})
-        outcomes = rendezvous.run_all(calls, task=",".join(tasks))
-    results, failures = [], []
-    for (proxy, _), (ok, value) in zip(ordered, outcomes):
-        if not ok:
-            # KeyboardInterrupt, SystemExit and the batched engine's own errors are not a client's failure
-            if not isinstance(value, Exception) or isinstance(value, EngineError):
-                raise value
-            failures.append(value)
-        else:
-            (results if value.status.code == Code.OK else failures).append((proxy, value))
-    return results, failures
+class BatchedGrid(InProcessGrid):
+    """The in-process grid whose exchanges run through a :class:`Rendezvous`: each message's ClientApp
+    call in a thread of its own, the clients' torch work executed together (the ClientApp's clients
+    compute with :class:`BatchedCompute` on the same rendezvous). Replies in node order; the
+    engine's own errors (:class:`EngineError`) stop the run."""
+
+    def __init__(self, *args: Any, rendezvous: Rendezvous, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rendezvous = rendezvous
+
+    def deliver(self, messages: Sequence[Message]) -> list[Message]:
+        if all(m.metadata.message_type == IDENTIFY.message_type for m in messages):
+            return super().deliver(messages)  # who is who: no torch work to meet for
+        calls = [lambda m=message: self.client_app(m, self.contexts[m.metadata.dst_node_id]) for message in messages]
+        outcomes = self.rendezvous.run_all(calls, task=",".join(sorted({m.metadata.message_type for m in messages})))
+        return [self.reply(message, outcome) for message, outcome in zip(messages, outcomes)]
+
+    def engine_fault(self, err: Exception) -> bool:
+        return isinstance(err, EngineError)
 
 
 def batched_rendezvous(config: ExperimentConfig) -> Rendezvous:
@@ -136,40 +173,3 @@ def batched_rendezvous(config: ExperimentConfig) -> Rendezvous:
         workers=(config.simulation.batched_workers or cpu_threads()) if device.type == "cpu" else 1,
     )
     return Rendezvous(lambda batch: execute(batch, policy), close=policy.close)
-
-
-def run_in_process(
-    config: ExperimentConfig,
-    run_dir: Path,
-    make_strategy: Callable[[StrategySetup], Any] | None = None,
-    *,
-    resume: bool = False,
-    stop_after: int | None = None,
-    on_round: Callable[[RoundRow], None] | None = None,
-) -> Any:
-    """Run ``config`` to the end (or to ``stop_after``, checkpointed; ``resume``: from the
-    checkpoint in ``run_dir``); return the strategy (its models, assignment; its round log is ``observer``). torch runs
-    one thread inside, as in each of the Ray engine's clients (the caller's count is restored).
-
-    ``make_strategy`` builds another strategy from the experiment's setup (a strategy that
-    is not in the registry, e.g. a test's own); ``on_round`` is called with each round's row as
-    it is recorded (as ``fedcluster run``'s progress is). ``config.simulation.engine`` ``batched``
-    executes the round's clients together; any other value runs them one after another.
-    """
-    batched = config.simulation.engine == "batched"
-    with torch_threads(1):
-        components = server_components(
-            config, run_dir, on_round, resume=resume, stop_after=stop_after, make_strategy=make_strategy
-        )
-        strategy = components.strategy
-        rendezvous = batched_rendezvous(config) if batched else None
-        try:
-            manager = SimpleClientManager()
-            for pid in range(config.partition.num_clients):
-                manager.register(InProcessProxy(config, pid, rendezvous))
-            for server_round in range(1, components.config.num_rounds + 1):
-                play_round(strategy, manager, server_round, rendezvous)
-        finally:
-            if rendezvous is not None:
-                rendezvous.close()
-    return strategy

@@ -1,28 +1,30 @@
-"""A round's messages: instructions packed for Flower, replies checked before they count.
+"""A round's messages: instructions made into Flower ``Message``s, replies checked before they count.
 
-:class:`Instruction` is what a strategy asks of one client; :class:`RoundMessages` packs each
-into its own ``FitIns`` (never one shared, mutable instruction; a model that many clients
-receive is serialized once), remembers what went to whom, and turns each ``FitRes`` into a
-:class:`Reply` only if it is sound: status, example count, then the task's reply schema (blocks,
-shapes, dtypes, finiteness, metrics), all before any array touches a model. A failing,
-malformed or poisoned reply is refused with the reason, never averaged in. A client answers once
-per round: a reply from a client that was sent no work, or a second reply from one (the first to
-arrive is judged, sound or not), is refused, so a round never holds more replies than clients it
-sent work to; evaluation results alike.
+:class:`Instruction` is what a strategy asks of one client; :class:`RoundMessages` makes each into a
+``Message`` of its own for the client's node (a model that many clients receive is serialized once,
+its record shared, as Flower's own strategies share one), remembers what went to whom, and turns
+each reply into a :class:`Reply` only if it is sound: no error, from a node that was sent work, an
+example count that is a positive integer no larger than the client's training set, then the task's
+reply schema (records, shapes, dtypes, finiteness, metrics), all before any array touches a model.
+A failing, malformed or poisoned reply is refused with the reason, never averaged in. A client
+answers once per round: a reply from a client that was sent no work, or a second reply from one
+(the first to arrive is judged, sound or not), is refused, so a round never holds more replies
+than clients it sent work to; a client sent work that did not answer (the round's timeout) counts
+as a failure. Evaluation results alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from flwr.common import Code, EvaluateIns, EvaluateRes, FitIns, FitRes, NDArrays, Parameters, Scalar
-from flwr.server.client_proxy import ClientProxy
+from flwr.app import Message, RecordDict
 
 from ... import protocol
-from ...protocol import EVALUATE, MODEL, MODELS, ModelSpec, Sent, Task
+from ...protocol import EVALUATE, MODEL, NUM_EXAMPLES, ModelSpec, Sent, Task
+from ...types import NDArrays, Scalar
 
-__all__ = ["Instruction", "Reply", "RoundMessages", "parameters_nbytes"]
+__all__ = ["Instruction", "Reply", "RoundMessages", "Verdicts"]
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,14 @@ class Instruction:
 
 @dataclass(frozen=True)
 class Reply:
-    """A validated reply. Its arrays stay serialized until asked for: at 1.7 M parameters
-    and hundreds of clients, holding every reply deserialized at once would triple the
-    clustering round's memory."""
+    """A validated reply. Its arrays stay serialized in its records until asked for: at 1.7 M
+    parameters and hundreds of clients, holding every reply deserialized at once would triple
+    the clustering round's memory."""
 
     instruction: Instruction
     num_examples: int
     metrics: Mapping[str, Scalar]
-    parameters: Parameters
+    content: RecordDict
     sent: Sent
     model_spec: ModelSpec
 
@@ -70,7 +72,7 @@ class Reply:
 
     def blocks(self) -> dict[str, NDArrays]:
         """The reply's named arrays (deserialized on each call)."""
-        return self.task.unpack_reply(protocol.parameters_to_arrays(self.parameters), self.sent, self.model_spec)
+        return {name: protocol.record_arrays(self.content.array_records[name]) for name in self.task.reply}
 
     def model(self) -> NDArrays:
         """The model this reply carries (tasks that reply with one), in the model's own dtypes
@@ -78,111 +80,164 @@ class Reply:
         return [a.astype(d, copy=False) for a, d in zip(self.blocks()[MODEL], self.model_spec.dtypes)]
 
 
-def parameters_nbytes(parameters: Parameters) -> int:
-    return sum(len(t) for t in parameters.tensors)
+@dataclass
+class Verdicts:
+    """What became of one exchange's messages: the sound replies (partition-id order), and why each
+    other one does not count: failures (an error reply, no reply) and refused replies (malformed,
+    poisoned, unasked), each as (partition id or None, one line)."""
+
+    replies: list[Reply] = field(default_factory=list)
+    failures: list[tuple[int | None, str]] = field(default_factory=list)
+    refused: list[tuple[int | None, str]] = field(default_factory=list)
+    bytes_up: int = 0
+
+
+FAILED, REFUSED = "failed", "refused"
 
 
 class RoundMessages:
-    """The instructions of the round in progress, packed, and the check of their replies."""
+    """The instructions of the round in progress, as messages, and the check of their replies."""
 
     def __init__(self, model_spec: ModelSpec, train_sizes: Sequence[int] | None) -> None:
         self.model_spec = model_spec
         self.train_sizes = train_sizes  # per partition: a reply claiming more examples is refused
         self._sent: dict[int, tuple[Instruction, Sent]] = {}
-        self._answered: set[int] = set()  # clients whose fit reply of this round arrived
-        self._evaluating: set[int] = set()  # clients sent an evaluation this round
-        self._evaluated: set[int] = set()  # ... whose result arrived
+        self._evaluating: dict[int, Sent] = {}
 
     @property
     def instructions(self) -> dict[int, Instruction]:
         """This round's instruction to each client, by partition id."""
         return {pid: instruction for pid, (instruction, _) in sorted(self._sent.items())}
 
-    def pack_fit(self, instructions: Sequence[Instruction], server_round: int) -> list[tuple[int, FitIns]]:
-        """One ``FitIns`` per instruction (at most one per client), remembered for the replies."""
-        self._sent, self._answered = {}, set()
-        cache: protocol.SerializationCache = {}
-        packed = []
+    def make(self, instructions: Sequence[Instruction], server_round: int, node_of: Callable[[int], int]) -> list[Message]:
+        """One ``Message`` per instruction (at most one per client) to the client's node, remembered for the replies."""
+        self._sent = {}
+        cache: protocol.RecordCache = {}
+        messages = []
         for instruction in instructions:
             if instruction.pid in self._sent:
                 raise ValueError(f"two instructions for client {instruction.pid} in round {server_round}")
-            params, config = _encode(instruction, server_round, cache)
-            self._sent[instruction.pid] = (instruction, Sent.of(config[protocol.LAYOUT_KEY], config))
-            packed.append((instruction.pid, FitIns(params, config)))
-        return packed
+            self._sent[instruction.pid] = (instruction, Sent.of(instruction.blocks, instruction.config))
+            messages.append(self._message(instruction, server_round, node_of, cache))
+        return messages
 
-    def pack_evaluate(self, models: Mapping[int, NDArrays], server_round: int) -> list[tuple[int, EvaluateIns]]:
-        """One ``EvaluateIns`` per client, carrying the model it is evaluated with."""
-        cache: protocol.SerializationCache = {}
-        packed = []
-        self._evaluating, self._evaluated = set(models), set()
+    def make_evaluate(self, models: Mapping[int, NDArrays], server_round: int, node_of: Callable[[int], int]) -> list[Message]:
+        """One evaluation ``Message`` per client, carrying the model it is evaluated with."""
+        cache: protocol.RecordCache = {}
+        self._evaluating = {}
+        messages = []
         for pid, model in models.items():
-            params, config = _encode(Instruction(pid, EVALUATE, {MODELS: [model]}), server_round, cache)
-            packed.append((pid, EvaluateIns(params, config)))
-        return packed
+            instruction = Instruction(pid, EVALUATE, {MODEL: [model]})
+            self._evaluating[pid] = Sent.of(instruction.blocks, instruction.config)
+            messages.append(self._message(instruction, server_round, node_of, cache))
+        return messages
 
-    def fit_reply(self, pid: int | None, res: FitRes) -> Reply | str:
-        """The reply of client ``pid``, or why it must be refused."""
+    def _message(self, instruction: Instruction, server_round: int, node_of: Callable[[int], int],
+                 cache: protocol.RecordCache) -> Message:
+        task = instruction.task
+        content = task.instruction(instruction.blocks, instruction.config, server_round, self.model_spec.names, cache)
+        return Message(content, node_of(instruction.pid), task.message_type, group_id=str(server_round))
+
+    def judge(self, replies: Iterable[Message], pid_of: Callable[[int], int | None]) -> Verdicts:
+        """The sound replies among ``replies`` to this round's instructions, in partition-id order
+        (arrival order is the transport's, not the seed's); every other one said why, and every
+        client sent work that did not answer counted as a failure."""
+        verdicts = Verdicts()
+        answered: set[int] = set()
+        for message in replies:
+            pid = pid_of(message.metadata.src_node_id)
+            if message.has_content():
+                verdicts.bytes_up += protocol.content_nbytes(message.content)
+            outcome = self._judge_one(pid, message, answered)
+            if isinstance(outcome, Reply):
+                verdicts.replies.append(outcome)
+            else:
+                kind, why = outcome
+                (verdicts.failures if kind == FAILED else verdicts.refused).append((pid, why))
+        for pid in sorted(set(self._sent) - answered):
+            verdicts.failures.append((pid, "no reply (the round's timeout passed)"))
+        verdicts.replies.sort(key=lambda r: r.pid)
+        return verdicts
+
+    def _judge_one(self, pid: int | None, message: Message, answered: set[int]) -> Reply | tuple[str, str]:
         instruction, sent = self._sent.get(pid, (None, None)) if pid is not None else (None, None)
         if instruction is None or sent is None:
-            return "not asked to work this round"
-        if pid in self._answered:
-            return "a second reply in this round (a client answers once; its first reply was judged)"
-        self._answered.add(pid)
+            return REFUSED, "not asked to work this round"
+        if pid in answered:
+            return REFUSED, "a second reply in this round (a client answers once; its first reply was judged)"
+        answered.add(pid)
+        if message.has_error():
+            return FAILED, describe_error(message)
         try:
-            problem = self._problem_with(res, pid, instruction, sent)
+            content = message.content
+            metrics = _metrics(content)
+            problem = self._problem_with_count(pid, metrics.get(NUM_EXAMPLES)) or \
+                instruction.task.problem_with_metrics(metrics, sent) or \
+                instruction.task.problem_with_arrays(content, sent, self.model_spec)
         except Exception as err:  # noqa: BLE001 - any unreadable reply is a refused reply
             problem = f"unreadable reply ({type(err).__name__}: {err})"
         if problem is not None:
-            return problem
-        return Reply(instruction, res.num_examples, dict(res.metrics), res.parameters, sent, self.model_spec)
+            return REFUSED, problem
+        count = int(metrics.pop(NUM_EXAMPLES))
+        return Reply(instruction, count, metrics, content, sent, self.model_spec)
 
-    def evaluation_problem(self, pid: int | None, res: EvaluateRes) -> str | None:
-        """Why client ``pid``'s evaluation result must be ignored; None if it is sound (each client
-        sent an evaluation counts once: a second result, or one nobody asked for, is ignored)."""
-        if pid is None:
-            return "unknown client"
-        if pid not in self._evaluating:
-            return "not asked to evaluate this round"
-        if pid in self._evaluated:
-            return "a second evaluation result in this round (a client answers once; its first was judged)"
-        self._evaluated.add(pid)
-        if res.status.code != Code.OK:
-            return f"status {res.status.code.name}"
-        if not protocol.is_finite_number(res.loss):
-            return f"loss {res.loss!r} is not a finite number"
-        return EVALUATE.problem_with_reply([], res.metrics, Sent({MODELS: 1}, {}), self.model_spec)
-
-    def _problem_with(self, res: FitRes, pid: int, instruction: Instruction, sent: Sent) -> str | None:
-        if res.status.code != Code.OK:
-            return f"status {res.status.code.name}: {res.status.message}"
+    def _problem_with_count(self, pid: int, count: object) -> str | None:
         limit = self.train_sizes[pid] if self.train_sizes is not None else None
-        if not protocol.is_finite_number(res.num_examples) or res.num_examples <= 0 or (limit and res.num_examples > limit):
-            return f"num_examples={res.num_examples!r}, expected 1..{limit or 'n'}"
-        arrays = protocol.parameters_to_arrays(res.parameters)
-        return instruction.task.problem_with_reply(arrays, res.metrics, sent, self.model_spec)
+        if protocol.is_int(count) and count >= 1 and (not limit or count <= limit):
+            return None
+        return f"{NUM_EXAMPLES}={count!r}, expected an integer in 1..{limit or 'n'}"
+
+    def judge_evaluations(self, replies: Iterable[Message], pid_of: Callable[[int], int | None]) -> tuple[
+            dict[int, Mapping[str, Scalar]], dict[int, str]]:
+        """Each client's sound evaluation metrics, by partition id (in order), and why the others
+        (errors, malformed results, clients that did not answer) are left out."""
+        results: dict[int, Mapping[str, Scalar]] = {}
+        problems: dict[int, str] = {}
+        seen: set[int] = set()
+        for message in replies:
+            pid = pid_of(message.metadata.src_node_id)
+            if pid is None or pid not in self._evaluating:
+                problems[-1 if pid is None else pid] = "not asked to evaluate this round"
+                continue
+            if pid in seen:
+                problems[pid] = "a second evaluation result in this round (a client answers once; its first was judged)"
+                continue
+            seen.add(pid)
+            if message.has_error():
+                problems[pid] = describe_error(message)
+                continue
+            try:
+                metrics = _metrics(message.content)
+                problem = EVALUATE.problem_with_metrics(metrics, self._evaluating[pid]) or \
+                    EVALUATE.problem_with_arrays(message.content, self._evaluating[pid], self.model_spec)
+            except Exception as err:  # noqa: BLE001 - an unreadable result is ignored
+                problem = f"unreadable result ({type(err).__name__}: {err})"
+            if problem is None:
+                results[pid] = metrics
+            else:
+                problems[pid] = problem
+        for pid in sorted(set(self._evaluating) - seen):
+            problems[pid] = "no evaluation result (the round's timeout passed)"
+        return dict(sorted(results.items())), problems
 
 
-def _encode(
-    instruction: Instruction, server_round: int, cache: protocol.SerializationCache
-) -> tuple[Parameters, dict[str, Scalar]]:
-    params, layout = protocol.pack_parameters(instruction.blocks, cache)
-    return params, protocol.instruction_config(instruction.task, server_round, layout, instruction.config)
+def _metrics(content: RecordDict) -> dict[str, Scalar]:
+    """The ``metrics`` record of a reply (a reply without one is malformed)."""
+    if protocol.METRICS not in content.metric_records:
+        raise protocol.ProtocolError(f"no {protocol.METRICS!r} record (got {', '.join(sorted(content)) or 'none'})")
+    return dict(content.metric_records[protocol.METRICS])
 
 
 def train_losses(replies: Sequence[Reply]) -> list[float]:  # the finite ones the replies report
     return [float(v) for r in replies if protocol.is_finite_number(v := r.metrics.get(protocol.TRAIN_LOSS))]
 
 
-def describe_failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str:
-    """One line saying why a fit failed, however Flower carried it."""
-    if isinstance(failure, BaseException):
-        text = f"{type(failure).__name__}: {failure}"
-    else:
-        proxy, res = failure
-        text = f"client {proxy.cid}: {res.status.message}"
+def describe_error(message: Message) -> str:
+    """One line saying why a client's work failed, however the transport carried it."""
+    reason = message.error.reason or f"error code {message.error.code}"
     # Flower's simulation wraps a ClientApp's exception in Ray's whole traceback; the client's own
     # message follows the last "Message: ". One line per failure, however it travelled.
-    if "Message: " in text:
-        text = text.rsplit("Message: ", 1)[1].split("'>", 1)[0]
-    return text.strip().splitlines()[0] if text.strip() else text
+    if "Message: " in reason:
+        reason = reason.rsplit("Message: ", 1)[1].split("'>", 1)[0]
+    lines = reason.strip().splitlines()
+    return lines[0] if lines else reason

@@ -31,6 +31,7 @@ from ...protocol import (
     LOSS,
     MODEL,
     MODELS,
+    QUERY_KIND,
     TRAIN_LOSS,
     ProtocolError,
     Task,
@@ -70,22 +71,16 @@ _SELECTION_CHECKS = (
     one_per_item(LOSS, MODELS),  # NaN allowed: a diverged model is reported, never chosen
     when_sent(DIRECTIONS, one_per_item(SIMILARITY, MODELS)),
 )
-TRAIN_SELECT = Task(
-    "train_select",
+_SELECTION = dict(
     sends=(MODELS,),
     optional=(DIRECTIONS,),
-    reply=(MODEL,),
-    reply_shapes=one_model,
     metric_checks=_SELECTION_CHECKS,
+    may_be_nonfinite=(LOSS, SIMILARITY),  # a diverged model's score is reported, and never chosen
+    model_blocks=(MODEL, MODELS, DIRECTIONS),
 )
-SELECT = Task(  # train_select without the training: "which of these models is mine?"
-    "select",
-    sends=(MODELS,),
-    optional=(DIRECTIONS,),
-    reply=(),
-    reply_shapes=no_arrays,
-    metric_checks=_SELECTION_CHECKS,
-)
+TRAIN_SELECT = Task("train_select", reply=(MODEL,), reply_shapes=one_model, **_SELECTION)
+# train_select without the training: "which of these models is mine?"
+SELECT = Task("select", reply=(), reply_shapes=no_arrays, kind=QUERY_KIND, **_SELECTION)
 
 SELECTION_STREAM = 1  # keeps the selection mini-batch's randomness apart from training's
 

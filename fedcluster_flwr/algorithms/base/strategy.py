@@ -1,24 +1,30 @@
-"""The strategy core: the algorithm's hooks behind Flower's legacy Strategy API.
+"""The strategy core: the algorithm's hooks behind Flower's Message-API ``Strategy``.
 
-Every round of every fedcluster strategy goes the same way:
+Every round of every fedcluster strategy goes the same way, on whatever ``Grid`` runs it (Flower's
+simulation, a SuperLink's SuperNodes, our in-process and batched engines):
 
 1. :meth:`ClusteredStrategy.fit_instructions` (the algorithm) says which online client gets
    which :class:`~.messages.Instruction`: a task, named blocks of arrays (cluster models, a
    client's own model, update directions, eigenvectors, ...) and extra scalars.
-   :class:`~.messages.RoundMessages` packs them for Flower and checks every reply against its
-   task's schema; a refused reply is counted and left out, never averaged in, and never stops
-   the run. Replies reach the algorithm in partition-id order, not the order Flower's thread
-   pool finished them, so a seed fixes every decision of a run.
+   :class:`~.messages.RoundMessages` makes each into a ``Message`` for the client's node
+   (``configure_train``) and checks every reply against its task's schema (``aggregate_train``);
+   a failed or refused reply is counted and left out, never averaged in, and never stops the
+   run. Replies reach the algorithm in partition-id order, not the order they arrived in, so a
+   seed fixes every decision of a run.
 2. :meth:`ClusteredStrategy.absorb` (the algorithm; by default FedAvg inside each cluster) takes
    the round's replies.
 3. Every online client evaluates *its own* model (:meth:`evaluation_model`) on its own test
-   split; the :class:`RoundReport` goes to the observer the runner connected (:meth:`connect`), which
+   split (``configure_evaluate`` / ``aggregate_evaluate``); the :class:`RoundReport` goes to the
+   observer the runner connected (:meth:`connect`), which
    records the round, checkpoints the strategy's :meth:`state_dict` and writes its
    :meth:`artifacts`. A strategy writes no file and keeps no log: state in, decisions out.
 
+:meth:`ClusteredStrategy.start` plays the rounds on a grid, as Flower's ``Strategy.start`` does,
+and also plays a round whose clients take turns (:mod:`.turns`): one message at a time.
+
 Models are kept per cluster (``models``, keyed by cluster id) or per client (``client_models``,
 keyed by partition id, for personal-model strategies); ``assignment`` maps every client to a
-cluster (or ``UNASSIGNED``) for the per-cluster metrics. Which Flower client is which partition
+cluster (or ``UNASSIGNED``) for the per-cluster metrics. Which Flower node is which partition
 is the job of :class:`~.directory.ClientDirectory`.
 
 A new algorithm is one subclass, decorated with :func:`fedcluster_flwr.registry.register`: set
@@ -30,36 +36,28 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from logging import WARNING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Union
+from typing import Any, ClassVar, Union
 
 import numpy as np
-from flwr.common import (
-    EvaluateIns,
-    EvaluateRes,
-    FitIns,
-    FitRes,
-    NDArrays,
-    Parameters,
-    Scalar,
-    log,
-    ndarrays_to_parameters,
-)
-from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Strategy
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
 
 from ... import protocol
 from ...aggregation import weighted_mean
 from ...models import parameters_with_prefixes
-from ...protocol import MODEL, MODELS, TRAIN, ModelSpec
+from ...protocol import ACCURACY, MODEL, MODELS, TEST_LOSS, TRAIN, VAL_LOSS, ModelSpec, content_nbytes
+from ...types import NDArrays, Scalar
 from .selection import SELECT, SELECTED, TRAIN_SELECT
 from .directory import ClientDirectory, Federation
 from .model_selection import BestValidated
-from .messages import Instruction, Reply, RoundMessages, describe_failure, parameters_nbytes, train_losses
+from .messages import Instruction, Reply, RoundMessages, Verdicts, train_losses
+from .round_report import RoundCounters, RoundObserver, RoundReport
 
 __all__ = ["HOOKS", "UNASSIGNED", "Artifacts", "ClusteredStrategy", "Instruction", "Reply", "RoundReport",
            "StrategySetup"]
@@ -78,7 +76,7 @@ HOOKS = (
     "local_objective",  # what the clients' local training minimises (train instructions)
     "unassigned_model",  # what a client without a cluster is evaluated on
     "round_metrics",  # the algorithm's entries of a round's row
-    "summary",  # the algorithm's entries of summary.json
+    "summary_entries",  # the algorithm's entries of summary.json
     "artifacts",  # files describing the strategy's state (dendrogram, similarity matrix, ...)
     "state_dict",  # everything needed to continue, with load_state_dict (PyTorch's pair)
     "load_state_dict",
@@ -106,40 +104,6 @@ class StrategySetup:
     def model_spec(self) -> ModelSpec:
         names = self.parameter_names or [f"array{i}" for i in range(len(self.initial_weights))]
         return ModelSpec.of(names, self.initial_weights)
-
-
-@dataclass
-class RoundCounters:
-    """What the round in progress has produced so far, as the Flower side of the strategy counts it."""
-
-    started: float = 0.0
-    fit_clients: tuple[int, ...] = ()
-    fit_failures: int = 0
-    rejected_updates: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    bytes_eval: int = 0
-    train_loss: float = float("nan")
-    artifacts: dict[str, Any] = field(default_factory=dict)  # files the algorithm returned this round
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    """A finished round, as the strategy hands it to the runner's observer: its counters and every
-    evaluated client's results (by partition id, in partition-id order)."""
-
-    server_round: int
-    counters: RoundCounters
-    accuracy: Mapping[int, float]
-    loss: Mapping[int, float]
-    eval_failures: int
-    val_loss: Mapping[int, float] = field(default_factory=dict)
-
-
-class RoundObserver(Protocol):
-    """Who records a strategy's rounds (the runner's round log)."""
-
-    def round_ended(self, strategy: ClusteredStrategy, report: RoundReport) -> None: ...
 
 
 class ClusteredStrategy(Strategy):
@@ -208,7 +172,7 @@ class ClusteredStrategy(Strategy):
         """Algorithm-specific entries of the round's row in ``rounds.jsonl``."""
         return {}
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         """Algorithm-specific entries of ``summary.json``."""
         return {}
 
@@ -279,7 +243,7 @@ class ClusteredStrategy(Strategy):
         for pid in pids:
             cluster = int(self.assignment[pid])
             instructions.append(
-                Instruction(pid, TRAIN, {MODELS: [self.models[cluster]]}, self.local_objective(), clusters=(cluster,))
+                Instruction(pid, TRAIN, {MODEL: [self.models[cluster]]}, self.local_objective(), clusters=(cluster,))
             )
         return instructions
 
@@ -338,92 +302,137 @@ class ClusteredStrategy(Strategy):
         cluster = int(self.assignment[pid])
         return self.unassigned_model() if cluster == UNASSIGNED else self.models[cluster]
 
-    # ---- Flower Strategy API ---------------------------------------------------------------------
+    # ---- Flower's Message-API Strategy -----------------------------------------------------------
+    # Flower numbers the rounds of each ``start`` from 1; a resumed run's round r is round r + round_offset.
 
-    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
-        return ndarrays_to_parameters(self.setup.initial_weights)
-
-    def configure_fit(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, FitIns]]:
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
+        """This round's instructions (:meth:`fit_instructions`), one message per instructed client's node.
+        ``arrays`` and ``config`` are not used: the strategy keeps its models, and each task its scalars."""
         server_round += self.round_offset
-        counters = self.counters = RoundCounters(started=time.perf_counter())
-        online = self.directory.online_clients(server_round, client_manager)
+        self.counters = RoundCounters(started=time.perf_counter())
+        online = self.directory.online_clients(server_round, grid)
         self.messages.train_sizes = self.directory.train_sizes(self.setup.train_sizes)
-        packed = self.messages.pack_fit(self.fit_instructions(server_round, online), server_round)
-        counters.bytes_down = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
-        counters.fit_clients = tuple(sorted(pid for pid, _ in packed))
-        return [(self.directory.proxy(pid), ins) for pid, ins in packed]
+        instructions = self.fit_instructions(server_round, online)
+        messages = self.messages.make(instructions, server_round, self.directory.node)
+        self.counters.bytes_down = sum(content_nbytes(message.content) for message in messages)
+        self.counters.fit_clients = tuple(sorted(instruction.pid for instruction in instructions))
+        return messages
 
-    def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[tuple[ClientProxy, FitRes] | BaseException],
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord]:
+        """The round's sound replies (partition-id order) taken by :meth:`absorb`; the round's counts as
+        Flower's train metrics. No global ArrayRecord: the strategy keeps its models itself."""
         server_round += self.round_offset
         counters = self.counters
-        replies = self.checked_replies(server_round, results, failures)
-        counters.artifacts = dict(self.absorb(server_round, replies) or {})
-        counters.train_loss = float(np.mean(losses)) if (losses := train_losses(replies)) else float("nan")
-        return None, {"accepted_updates": len(replies), "fit_failures": counters.fit_failures}
+        accepted = self.checked_replies(server_round, replies)
+        counters.artifacts = dict(self.absorb(server_round, accepted) or {})
+        counters.train_loss = float(np.mean(losses)) if (losses := train_losses(accepted)) else float("nan")
+        return None, self.train_metrics(len(accepted))
 
-    def checked_replies(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list) -> list[Reply]:
-        """The sound replies among ``results``, in partition-id order; failures and refused ones counted and logged."""
+    def train_metrics(self, accepted: int) -> MetricRecord:
+        """What a round's training did, as Flower's train metrics of the round."""
+        c = self.counters
+        loss = {protocol.TRAIN_LOSS: c.train_loss} if math.isfinite(c.train_loss) else {}
+        return MetricRecord({"accepted_updates": accepted, "fit_failures": c.fit_failures, "rejected_updates": c.rejected_updates} | loss)
+
+    def checked_replies(self, server_round: int, replies: Iterable[Message]) -> list[Reply]:
+        """The sound replies among ``replies``, in partition-id order; failures and refused ones counted and logged."""
+        verdicts: Verdicts = self.messages.judge(replies, self.directory.pid_of)
         counters = self.counters
-        counters.fit_failures += len(failures)
-        for failure in failures:
-            log(WARNING, "round %s: a client failed during fit: %s", server_round, describe_failure(failure))
-        replies = []
-        for proxy, res in results:
-            counters.bytes_up += parameters_nbytes(res.parameters)
-            pid = self.directory.pid_of(proxy)
-            reply = self.messages.fit_reply(pid, res)
-            if isinstance(reply, Reply):
-                replies.append(reply)
-            else:
-                counters.rejected_updates += 1
-                log(WARNING, "round %s: reply of client %s rejected: %s", server_round, pid, reply)
-        return sorted(replies, key=lambda r: r.pid)  # arrival order is the thread pool's, not the seed's
+        counters.bytes_up += verdicts.bytes_up
+        counters.fit_failures += len(verdicts.failures)
+        counters.rejected_updates += len(verdicts.refused)
+        for pid, why in verdicts.failures:
+            log(WARNING, "round %s: client %s failed: %s", server_round, pid, why)
+        for pid, why in verdicts.refused:
+            log(WARNING, "round %s: reply of client %s rejected: %s", server_round, pid, why)
+        return verdicts.replies
 
-    def configure_evaluate(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
+        """Every online client evaluates its own model (:meth:`evaluation_model`)."""
         server_round += self.round_offset
-        online = self.directory.online_clients(server_round, client_manager)
-        if not online:
-            self.end_round(RoundReport(server_round, self.counters, {}, {}, eval_failures=0))
-            return []
-        packed = self.messages.pack_evaluate({pid: self.evaluation_model(pid) for pid in online}, server_round)
-        self.counters.bytes_eval = sum(parameters_nbytes(ins.parameters) for _, ins in packed)
-        return [(self.directory.proxy(pid), ins) for pid, ins in packed]
+        online = self.directory.online_clients(server_round, grid)
+        messages = self.messages.make_evaluate({pid: self.evaluation_model(pid) for pid in online}, server_round,
+                                               self.directory.node)
+        self.counters.bytes_eval = sum(content_nbytes(message.content) for message in messages)
+        return messages
 
-    def aggregate_evaluate(
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
+        """Each client's test accuracy and loss (and validation loss), by partition id, into the round's
+        report for the observer; the mean client accuracy as Flower's evaluate metrics of the round."""
+        server_round += self.round_offset
+        results, problems = self.messages.judge_evaluations(replies, self.directory.pid_of)
+        for pid, problem in problems.items():
+            log(WARNING, "round %s: evaluation of client %s ignored: %s", server_round, pid, problem)
+        accuracy = {pid: float(m[ACCURACY]) for pid, m in results.items()}
+        loss = {pid: float(m[TEST_LOSS]) for pid, m in results.items()}
+        val_loss = {pid: float(m[VAL_LOSS]) for pid, m in results.items() if VAL_LOSS in m}
+        self.end_round(RoundReport(server_round, self.counters, accuracy, loss, len(problems), val_loss))
+        return MetricRecord({"mean_client_accuracy": float(np.mean(list(accuracy.values()))) if accuracy else float("nan"),
+                             "num_evaluated": len(accuracy)})
+
+    def summary(self) -> None:
+        """Log the strategy's options (Flower's ``Strategy.summary``; ``summary.json`` entries are
+        :meth:`summary_entries`)."""
+        log(INFO, "\t├──> %s (%s) on %d clients", self.name, type(self).__name__, self.setup.num_clients)
+        for key, value in vars(self.options).items() if hasattr(self.options, "__dict__") else ():
+            log(INFO, "\t│\t%s: %s", key, value)
+
+    def start(
         self,
-        server_round: int,
-        results: list[tuple[ClientProxy, EvaluateRes]],
-        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
-    ) -> tuple[float | None, dict[str, Scalar]]:
-        server_round += self.round_offset
-        accuracy: dict[int, float] = {}
-        loss: dict[int, float] = {}
-        val_loss: dict[int, float] = {}
-        for proxy, res in results:
-            pid = self.directory.pid_of(proxy)
-            problem = self.messages.evaluation_problem(pid, res)
-            if problem is None:
-                accuracy[pid], loss[pid] = float(res.metrics[protocol.ACCURACY]), float(res.loss)
-                if protocol.VAL_LOSS in res.metrics:
-                    val_loss[pid] = float(res.metrics[protocol.VAL_LOSS])
-            else:
-                log(WARNING, "round %s: evaluation of client %s ignored: %s", server_round, pid, problem)
-        eval_failures = len(failures) + len(results) - len(accuracy)
-        # Partition-id order, not arrival order: means are then bit-identical across reruns.
-        accuracy, loss = dict(sorted(accuracy.items())), dict(sorted(loss.items()))
-        self.end_round(RoundReport(server_round, self.counters, accuracy, loss, eval_failures, dict(sorted(val_loss.items()))))
-        mean_loss = float(np.mean(list(loss.values()))) if loss else None
-        mean_accuracy = float(np.mean(list(accuracy.values()))) if accuracy else float("nan")
-        return mean_loss, {"mean_client_accuracy": mean_accuracy}
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int = 3,
+        timeout: float | None = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Play ``num_rounds`` rounds on ``grid`` (Flower's ``Strategy.start``, which a ServerApp's
+        main calls): per round the training exchange (or the round's turns, one message at a time),
+        then every online client's evaluation. ``initial_arrays``, when given, is the model every
+        cluster starts from (it must have the experiment's model's shapes); ``timeout`` bounds each
+        exchange (None: wait for every reply). The run's state, models and results are the
+        strategy's and its observer's; the ``Result`` holds the rounds' aggregated metrics and,
+        where the strategy keeps one global model, that model."""
+        if train_config or evaluate_config or evaluate_fn is not None:
+            raise TypeError(
+                f"{self.name}: train_config, evaluate_config and evaluate_fn are not taken: the clients' settings "
+                "are the experiment's (client.*), a task's scalars the strategy's options, and every client "
+                "evaluates its own model on its own test split")
+        if initial_arrays is not None:
+            self.use_initial_arrays(initial_arrays)
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        self.summary()
+        result = Result()
+        for current_round in range(1, num_rounds + 1):
+            log(INFO, "[ROUND %s/%s]", current_round + self.round_offset, num_rounds + self.round_offset)
+            train_metrics, evaluate_metrics = self.play_round(grid, current_round, timeout)
+            result.train_metrics_clientapp[current_round + self.round_offset] = train_metrics
+            result.evaluate_metrics_clientapp[current_round + self.round_offset] = evaluate_metrics
+        if not self.client_models and len(self.models) == 1:
+            result.arrays = protocol.array_record(next(iter(self.models.values())), self.model_spec.names)
+        return result
+
+    def play_round(self, grid: Grid, server_round: int, timeout: float | None = None) -> tuple[MetricRecord, MetricRecord]:
+        """Flower's round ``server_round`` of :meth:`start` on ``grid``: train, then evaluate."""
+        messages = self.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
+        _, train_metrics = self.aggregate_train(server_round, grid.send_and_receive(messages, timeout=timeout))
+        return train_metrics, self.evaluate_round(grid, server_round, timeout)
+
+    def evaluate_round(self, grid: Grid, server_round: int, timeout: float | None) -> MetricRecord:
+        messages = self.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid)
+        return self.aggregate_evaluate(server_round, grid.send_and_receive(messages, timeout=timeout) if messages else [])
+
+    def use_initial_arrays(self, arrays: ArrayRecord) -> None:
+        """Start every cluster from ``arrays`` instead of the experiment's initial model (before the first round)."""
+        weights = protocol.record_arrays(arrays)
+        shapes, expected = [a.shape for a in weights], list(self.model_spec.shapes)
+        problem = (f"its shapes {shapes} are not the model's {expected}" if shapes != expected else
+                   f"the run resumes after round {self.round_offset}" if self.round_offset else None)
+        if problem:
+            raise ValueError(f"{self.name}: initial_arrays refused: {problem}")
+        self.setup = replace(self.setup, initial_weights=[w.astype(d, copy=False) for w, d in zip(weights, self.dtypes)])
+        self.models = {cluster: self.initial_model() for cluster in self.models}
 
     def end_round(self, report: RoundReport) -> None:
         """The round's evaluation taken into the model selection, then handed to the observer
@@ -439,8 +448,3 @@ class ClusteredStrategy(Strategy):
         """Each client's best-validated accuracy, summarised for the round's row (see
         :mod:`.model_selection`); empty unless clients report a validation loss."""
         return self.model_selection.metrics(self.directory.true_clusters(self.setup.true_clusters))
-
-    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
-        """No centralized evaluation: every client tests its own model on its own data."""
-        return None
-

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...protocol import MODELS, TRAIN
+from ...protocol import MODEL, TRAIN
 from ...schema import option
 from ..base.strategy import ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SHARE_OF_CLIENTS
@@ -56,7 +56,7 @@ class LocalOnly(ClusteredStrategy):
         self.client_models = {p: [a.copy() for a in setup.initial_weights] for p in range(setup.num_clients)}
 
     def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
-        return [Instruction(p, TRAIN, {MODELS: [self.client_models[p]]}) for p in online]
+        return [Instruction(p, TRAIN, {MODEL: [self.client_models[p]]}) for p in online]
 
     def absorb(self, server_round: int, replies: list[Reply]) -> None:
         for reply in replies:

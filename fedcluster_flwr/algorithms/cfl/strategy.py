@@ -117,8 +117,9 @@ from logging import INFO, WARNING
 from typing import Any, Literal
 
 import numpy as np
-from flwr.common import NDArrays, log
+from flwr.common import log
 
+from ...types import NDArrays
 from ...clustering import flatten
 
 from .math import bipartition, cosine_similarity
@@ -379,7 +380,7 @@ class CFL(ClusteredStrategy):
         diagnosis = self.diagnoses.get(cluster)
         return {"alpha_max_cross": diagnosis.alpha_max_cross} if diagnosis and diagnosis.round == server_round else {}
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         incongruent = self.incongruent()
         ended = self.last_round == self.setup.rounds
         return {

@@ -103,7 +103,7 @@ class PENS(Gossip):
         sizes = self.neighbour_sets.sum(axis=1)
         return super().round_metrics(server_round) | {"mean_neighbour_set": float(sizes.mean())}
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         """Whom each client gossips with after the selection (``neighbour_sets``: partition ids per
         client) and, per true cluster, the share of its members' kept peers that are of the same
         true cluster: how well the loss-based selection found each client's own cluster."""
@@ -113,7 +113,7 @@ class PENS(Gossip):
             kept = self.neighbour_sets[true == cluster]
             if kept.any():
                 same[str(int(cluster))] = float(kept[:, true == cluster].sum() / kept.sum())
-        return super().summary() | {
+        return super().summary_entries() | {
             "neighbour_sets": [np.flatnonzero(row).tolist() for row in self.neighbour_sets],
             "neighbour_set_same_true_cluster": same,
         }

@@ -38,8 +38,8 @@ each participating client i (``client_fraction`` of the online, pretrained clien
 neighbours' models as the round before left them. ``sequential`` is the reference code's round
 (``utils.py`` ``train_DAC``, ``gossip``: the clients shuffled by ``np.random.choice``, each in turn
 drawing its neighbours and averaging their *current* ``local_model`` s, this round's updates included,
-then training): turns in an order drawn from the seed and the round (:mod:`..base.turns`; engine
-``inprocess`` only). The paper's two-hop estimates are recomputed at the round's end in both orders.
+then training): turns in an order drawn from the seed and the round (:mod:`..base.turns`: one message at
+a time, on every engine). The paper's two-hop estimates are recomputed at the round's end in both orders.
 
 ``dac_var`` grows τ with the exchanges (``tau_schedule``; see :func:`.math.reference_tau` and
 :func:`.math.centred_tau`); ``random_gossip`` samples neighbours uniformly; ``oracle_gossip`` only from
@@ -65,13 +65,13 @@ from ...types import NDArrays
 
 from ... import protocol
 from ...clustering import cluster_square
-from ...protocol import MODELS, TRAIN
+from ...protocol import MODEL, MODELS, TRAIN
 from . import tasks as gossip
 from .tasks import GOSSIP_TRAIN
 from ...plots import plot_client_matrix
 from ...schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import SHARE_OF_CLIENTS, NeedsSetting
+from ..base.options import SHARE_OF_CLIENTS
 from ..base.turns import TakesTurns
 from ...registry import register
 from .math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
@@ -95,8 +95,6 @@ class GossipOptions:
 
     experiment_rules = (
         LessThan("num_neighbours", "partition.num_clients", why="a client never samples itself"),
-        NeedsSetting(Is("round_order", "sequential"), "simulation.engine", ("inprocess",),
-                     "plays a round's clients one after another"),
     )
 
     def check_experiment(self, config: Any, prefix: str) -> None:
@@ -243,7 +241,7 @@ class Gossip(TakesTurns, ClusteredStrategy):
     def pretrain(self, pid: int) -> Instruction:
         """``pid`` trains its own model alone before its first exchange."""
         config = {} if self.pretrain_epochs is None else {protocol.EPOCHS_KEY: int(self.pretrain_epochs)}
-        return Instruction(pid, TRAIN, {MODELS: [self.client_models[pid]]}, config)
+        return Instruction(pid, TRAIN, {MODEL: [self.client_models[pid]]}, config)
 
     def exchange(self, server_round: int, pid: int) -> Instruction:
         """``pid`` gets its own model and its sampled neighbours' (task gossip_train)."""

@@ -28,8 +28,9 @@ from logging import ERROR, INFO, WARNING
 from typing import Any, Literal
 
 import numpy as np
-from flwr.common import NDArrays, log
+from flwr.common import log
 
+from ...types import NDArrays
 from ...clustering import ClusteringRecord, HacResult, UpdateMatrix, cut_rule, flatten, hierarchical_clustering
 from ...protocol import MODEL
 from ...schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
@@ -149,7 +150,7 @@ class FLHC(ClusteredStrategy):
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         return {"unassigned_clients": sum(1 for p in self.online if self.assignment[p] == UNASSIGNED)}
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         return self.clustering.summary() if self.clustering is not None else {"clustering_round": None}
 
     def artifacts(self) -> Artifacts:

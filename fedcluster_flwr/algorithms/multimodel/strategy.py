@@ -147,7 +147,7 @@ class IFCA(ClusteredStrategy):
     def fit_instructions(self, server_round: int, online: list[int]) -> list[Instruction]:
         sampled = self.sample(online, self.options.client_fraction)
         if server_round <= self.options.warmup_rounds:
-            return [Instruction(p, TRAIN, {MODELS: [self.models[0]]}, clusters=(0,)) for p in sampled]
+            return [Instruction(p, TRAIN, {MODEL: [self.models[0]]}, clusters=(0,)) for p in sampled]
         if len(self.models) < self.options.num_clusters:  # the first round after the warm-up
             self._spawn_from_warmup()
         guarded = list(range(self.options.num_clusters)) if self.options.cluster_guard == "one_per_cluster" else self.to_reseed
@@ -214,7 +214,7 @@ class IFCA(ClusteredStrategy):
             **self.spreads,
         }
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         return {"cluster_sizes": self.cluster_sizes()}
 
     def state_dict(self) -> dict[str, Any]:

@@ -42,8 +42,9 @@ from logging import INFO, WARNING
 from typing import Any, Literal
 
 import numpy as np
-from flwr.common import Scalar, log
+from flwr.common import log
 
+from ...types import Scalar
 from ...aggregation import average_layers
 from ...clustering import ClusteringRecord, cut_rule
 from .math import RELEVANCE_FLOOR, cluster_by_relevance, relevance_matrix, within_and_across
@@ -221,7 +222,7 @@ class HierarchicalFL(ClusteredStrategy):
             "cluster_sizes": np.bincount(assigned).tolist() if len(assigned) else [],
         }
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         return {"bytes_gps": self.gps_total, "model_bytes": sum(a.nbytes for a in self.setup.initial_weights)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -365,11 +366,11 @@ class OneShotHFL(HierarchicalFL):
             return float("nan"), float("nan")
         return within_and_across(self.relevance, self.setup.true_clusters[list(self.clustering.pids)])
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         within, across = self.relevance_within_across()
         k, d = self.options.num_eigenvectors, self.dim
         clustering = self.clustering.summary() if self.clustering is not None else {"clustering_round": None}
-        return super().summary() | clustering | {
+        return super().summary_entries() | clustering | {
             "relevance_within_true_clusters": within,
             "relevance_across_true_clusters": across,
             "relevance_rule": self.options.relevance,

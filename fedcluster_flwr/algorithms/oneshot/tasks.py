@@ -33,7 +33,7 @@ from ...client import ClusterClient, TaskInput, TaskOutput
 from ...registry import handles
 from .math import relevance_row
 from ...features import feature_map, gram_matrix, top_eigenpairs
-from ...protocol import ArraySpec, ModelSpec, ProtocolError, Sent, Task
+from ...protocol import QUERY_KIND, ArraySpec, ModelSpec, ProtocolError, Sent, Task
 
 # Instruction config.
 NUM_EIGENVECTORS_KEY = "num_eigenvectors"
@@ -70,10 +70,11 @@ GRAM_EIGEN = Task(
     reply=(EIGENVECTORS, EIGENVALUES),
     reply_shapes=_eigen_shapes,
     config=(NUM_EIGENVECTORS_KEY, *_ONESHOT_CONFIG),
+    kind=QUERY_KIND,
 )
 RELEVANCE_ROW = Task(
     "relevance", sends=(EIGENVECTORS,), reply=(RELEVANCE,), reply_shapes=_relevance_shape,
-    config=(*_ONESHOT_CONFIG, EIGEN_FLOOR_KEY),
+    config=(*_ONESHOT_CONFIG, EIGEN_FLOOR_KEY), kind=QUERY_KIND,
 )
 
 

@@ -169,10 +169,10 @@ class PACFL(HierarchicalFL):
             return float("nan"), float("nan")
         return within_and_across(self.proximity, self.setup.true_clusters[list(self.clustering.pids)])
 
-    def summary(self) -> dict[str, Any]:
+    def summary_entries(self) -> dict[str, Any]:
         within, across = self.proximity_within_across()
         clustering = self.clustering.summary() if self.clustering is not None else {"clustering_round": None}
-        return super().summary() | clustering | {
+        return super().summary_entries() | clustering | {
             "proximity_rule": self.options.proximity,
             "proximity_within_true_clusters": within,  # degrees
             "proximity_across_true_clusters": across,

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..config_sections import ExperimentConfig
+from .config_sections import ExperimentConfig
 
 LENGTH = struct.Struct("<Q")
 
@@ -104,13 +104,21 @@ def _end_group_when_orphaned(fd: int) -> None:
 
 
 def simulate(job: Job, on_round: Any) -> None:
-    """Run ``job`` in this process: on Flower's Ray simulation engine, or (``simulation.engine``
-    ``inprocess`` / ``batched``) on the in-process driver, with the same results directory."""
-    if job.config.simulation.engine != "ray":
-        from ..experiment import configure_driver_torch
-        from .inprocess import run_in_process
+    """Run ``job`` in this process: the experiment's ServerApp on Flower's Ray simulation runtime,
+    or (``simulation.engine`` ``inprocess`` / ``batched``) on this process's grid, with the same
+    results directory.
 
-        configure_driver_torch(job.config)
+    The Ray route is Flower's ``run_simulation``, which Flower 1.42 marks deprecated in favour of
+    ``flwr run`` (no removal version is named) and whose notice is logged, not hidden: ``flwr run``
+    needs a SuperLink process and an installed app (a FAB) per run, which ``fedcluster run``'s
+    supervision of one process group would have to start, watch and stop (docs/how-to/flwr-run.md,
+    "Which Flower API")."""
+    from .experiment import configure_driver_torch
+
+    configure_driver_torch(job.config)  # before this process's first torch operation; Ray workers inherit the pins
+    if job.config.simulation.engine != "ray":
+        from .apps.server_app import run_in_process
+
         with _quiet(job.verbose):
             run_in_process(
                 job.config, job.run_dir, resume=job.resume_from > 0, stop_after=job.stop_after, on_round=on_round
@@ -118,20 +126,18 @@ def simulate(job: Job, on_round: Any) -> None:
         return
     from flwr.simulation import run_simulation
 
-    from .. import flower_patches
-    from ..client_app import ExperimentClientApp
-    from ..experiment import configure_driver_torch
-    from ..server_app import make_server_app
+    from . import flower_patches
+    from .apps.client_app import FedclusterClientApp
+    from .apps.server_app import make_server_app
 
     flower_patches.install()  # Flower's engine with less of its own work between the clients' (see there)
     config = job.config
-    configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
     with _quiet(job.verbose):
         run_simulation(
             server_app=make_server_app(
                 config, job.run_dir, on_round, resume=job.resume_from > 0, stop_after=job.stop_after
             ),
-            client_app=ExperimentClientApp(config),
+            client_app=FedclusterClientApp(config),
             num_supernodes=config.partition.num_clients,
             backend_config=backend_config(config, job.verbose),
             verbose_logging=job.verbose,
@@ -170,7 +176,7 @@ def backend_config(config: ExperimentConfig, verbose: bool) -> dict[str, Any]:
 def check_ray_address(config: ExperimentConfig, timeout_s: float = 5.0) -> None:
     """Refuse a ``simulation.ray_address`` at which nothing answers, before the run starts: Ray's
     ``ray.init`` retries such an address for minutes (still retrying after 120 s, ray 2.55)."""
-    from ..schema import ConfigError
+    from .schema import ConfigError
 
     address = config.simulation.ray_address
     if address is None:
@@ -195,8 +201,8 @@ OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 def error_event(err: BaseException) -> dict[str, Any]:
     """The event that tells the supervisor why the simulation stopped."""
-    from ..data import DataError
-    from ..schema import ConfigError
+    from .data import DataError
+    from .schema import ConfigError
 
     if isinstance(err, (ConfigError, DataError)):
         return {"error": str(err), "kind": USER}
@@ -234,16 +240,12 @@ def main(events_fd: int) -> None:
 
 
 class _quiet:
-    """Keep Flower's per-round INFO logs and known-harmless notices off the caller's output.
-
-    ``run_simulation`` is deprecated in favour of ``flwr run`` but is the supported
-    way to run a simulation in-process; the notice and Ray's accelerator tip are
-    dropped unless ``verbose``.
-    """
+    """Keep Flower's per-round INFO logs and known-harmless notices off the caller's output (all of
+    them with ``verbose``). Flower's warnings, its deprecation notice among them, pass."""
 
     def __init__(self, verbose: bool) -> None:
         self.verbose = verbose
-        self._filter = _DropDeprecationNotice()
+        self._filter = _DropClientTracebacks()
 
     def __enter__(self) -> None:
         from flwr.common.logger import FLOWER_LOGGER
@@ -261,19 +263,16 @@ class _quiet:
         FLOWER_LOGGER.removeFilter(self._filter)
 
 
-class _DropDeprecationNotice(logging.Filter):
-    """Without ``--verbose``: no deprecation notice, and a failed client is the strategy's one warning
-    line ("round 6: a client failed during fit: ...") rather than also Flower's ~90 lines of Ray and
-    Flower tracebacks (with ``faults.drop_rate: 0.3`` that was ~4,500 lines per run)."""
+class _DropClientTracebacks(logging.Filter):
+    """Without ``--verbose``, a failed client is the strategy's one warning line ("round 6: client 3
+    failed: ...") rather than also Flower's ~90 lines of Ray and Flower tracebacks (with
+    ``faults.drop_rate: 0.3`` that was ~4,500 lines per run)."""
 
     CLIENT_FAILURE = ("An exception was raised when processing a message by", "ClientAppException")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "DEPRECATED FEATURE" in message:
-            return False
         flower_traceback = record.levelno >= logging.ERROR  # the strategy's own line is a WARNING
-        return not (flower_traceback and any(marker in message for marker in self.CLIENT_FAILURE))
+        return not (flower_traceback and any(marker in record.getMessage() for marker in self.CLIENT_FAILURE))
 
 
 if __name__ == "__main__":

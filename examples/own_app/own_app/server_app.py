@@ -1,0 +1,40 @@
+"""own_app: a ServerApp written as Flower's quickstart writes one, running a fedcluster strategy."""
+
+from pathlib import Path
+
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedcluster_flwr.apps.server_app import plan_run
+from fedcluster_flwr.config import load_config
+from fedcluster_flwr.experiment import initial_model
+
+# Create ServerApp
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Main entry point for the ServerApp."""
+
+    # Read run config
+    num_rounds: int = context.run_config["num-server-rounds"]
+    strategy_name: str = context.run_config["strategy"]
+    out = Path(str(context.run_config["output-dir"])).expanduser() / f"run{context.run_id}"
+
+    # The experiment the ClientApp trains on, with the strategy asked for
+    experiment = Path(__file__).with_name("experiment.yaml")
+    config, _ = load_config(experiment, [("strategy.name", strategy_name), ("rounds", num_rounds)])
+
+    # Load global model
+    arrays = ArrayRecord(initial_model(config).state_dict())
+
+    # Initialize the strategy: fedcluster's (here FL+HC), its rounds recorded in `out`
+    strategy = plan_run(config, out).strategy
+
+    # Start strategy, run for `num_rounds`
+    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=num_rounds)
+
+    # The clusters it found, and where the run's files are
+    print(f"clusters: {strategy.assignment.tolist()}; results in {out}")
+    print(result)

@@ -1,0 +1,355 @@
+"""The ServerApp: one route from its main to a strategy's ``start``, whatever grid it is given.
+
+:func:`serve` is that route: the run planned by :func:`plan_run` (the strategy from the registry,
+connected to the round log that records it, resumed from its checkpoint where asked) is played on
+the grid by the strategy's own ``start``. Every way of running takes it:
+
+* ``fedcluster run`` on Ray: :class:`ExperimentServerApp` under Flower's simulation runtime, whose
+  grid reaches the ClientApp on Ray's actors;
+* ``fedcluster run`` on ``inprocess`` / ``batched``: the same ServerApp called with this process's
+  grid (:func:`run_in_process`, :func:`engine_grid`);
+* ``flwr run``: this module's ``app`` (:func:`flwr_run_main`), with the run config's experiment, on
+  the SuperLink's grid (Flower's simulation runtime, or the SuperNodes of a deployment) or, for
+  ``simulation.engine`` inprocess/batched in Flower's simulation, on this process's grid;
+* a user's own ServerApp, which builds a strategy and calls its ``start`` (docs/how-to/own-app.md).
+
+Under ``flwr run`` the apps run from an installed copy of this project, with the working directory
+and environment of whoever started the SuperLink; so a relative ``output_dir`` is placed under
+``~/fedcluster/`` (logged at start), never under an unpredictable working directory. What a ``flwr
+run`` logs: a warning naming the config's options that have no effect there
+(:func:`flwr_run_notes`), each round, and at the end the summary ``fedcluster run`` prints
+(:func:`flwr_run_summary`). A config error is one line and fails the run (``flwr ls`` shows it
+``finished:failed``); Flower's ``flwr run --stream`` itself exits 0 whatever the run's status
+(flwr 1.42: it only streams logs).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from logging import ERROR, INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, RecordDict
+from flwr.common import log
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.logger import FLOWER_LOGGER
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
+from flwr.superlink.grid import InMemoryGrid
+
+from ..algorithms.base import ClusteredStrategy, StrategySetup
+from ..algorithms.base.directory import Federation
+from ..checkpoints import load_checkpoint
+from ..config import ConfigWarning, config_to_dict
+from ..config_sections import ExperimentConfig, SimulationConfig
+from ..data import DataError, cluster_names
+from ..engines.batched import BatchedCompute
+from ..engines.inprocess import BatchedGrid, InProcessGrid, batched_rendezvous, partition_node_configs
+from ..experiment import (
+    config_from_run_config, configure_driver_torch, experiment_data, initial_model, majority_accuracy, run_config_notes,
+    run_title, seeded_weights, strategy_phase_words, use_configured_numerics,
+)
+from ..models import parameter_names
+from ..numerics import numeric_platform, torch_threads
+from ..recorder import RunRecorder, run_dir_name
+from ..registry import strategy_class
+from ..round_log import RoundLog, resume as resume_strategy
+from ..run_files import RoundRow, format_summary, read_summary
+from ..schema import ConfigError
+from ..training import get_weights
+from .client_app import FedclusterClientApp
+
+# ---- the one route ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run ready to be served: its strategy (connected to its round log, resumed where asked), the
+    rounds still to play and each exchange's timeout (None: wait for every reply)."""
+
+    strategy: ClusteredStrategy
+    num_rounds: int
+    timeout: float | None
+
+
+def plan_run(
+    config: ExperimentConfig,
+    run_dir: Path,
+    on_round: Callable[[RoundRow], None] | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    make_strategy: Callable[[StrategySetup], Any] | None = None,
+) -> RunPlan:
+    """The strategy (from the registry, or ``make_strategy``'s from the experiment's setup) of one
+    run writing to ``run_dir``; with ``resume``, continuing the run there from its checkpoint; with
+    ``stop_after``, stopping (checkpointed) after that round, leaving the run to be resumed or branched."""
+    use_configured_numerics(config)
+    pool, partition = experiment_data(config)
+    resolved = config_to_dict(config)
+    recorder = RunRecorder(run_dir, on_round, resolved, phase_words=strategy_phase_words())
+    if not resume:
+        recorder.start(resolved)
+    model = initial_model(config)
+    setup = StrategySetup(
+        initial_weights=get_weights(model),
+        parameter_names=parameter_names(model),
+        init_weights=functools.partial(seeded_weights, config),
+        input_shape=config.input_shape,
+        num_clients=config.partition.num_clients,
+        true_clusters=partition.true_clusters,
+        train_sizes=[len(idx) for idx in partition.train_indices],
+        rounds=config.rounds,
+        seed=config.seed,
+        cluster_names=cluster_names(config.partition.options, int(partition.true_clusters.max(initial=0)) + 1),
+    )
+    if make_strategy is None:
+        strategy = strategy_class(config.strategy.name)(config.strategy.options, setup)
+    else:
+        strategy = make_strategy(setup)
+    round_log = RoundLog(
+        recorder, partition.true_clusters, config.target_accuracy, config.rounds, config.checkpoint_every,
+        stop_round=stop_after, numeric_platform=numeric_platform(), title=run_title(config),
+        majority_accuracy=majority_accuracy(pool.labels, partition),
+    )
+    strategy.connect(Federation(join_round=config.simulation.join_round, timeout_s=config.simulation.round_timeout_s),
+                     round_log)
+    if resume:
+        resume_strategy(strategy, round_log, load_checkpoint(run_dir))
+    remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
+    return RunPlan(strategy, remaining, config.simulation.round_timeout_s)
+
+
+def serve(grid: Grid, plan: RunPlan) -> Result:
+    """Play the planned run on ``grid``: the strategy's ``start``."""
+    return plan.strategy.start(grid, num_rounds=plan.num_rounds, timeout=plan.timeout)
+
+
+class ExperimentServerApp(ServerApp):
+    """The ServerApp of one given config (``fedcluster run``): its main plans the run (:func:`plan_run`)
+    and serves it on the grid it is given (:func:`serve`); ``plan`` is the run it played."""
+
+    def __init__(self, config: ExperimentConfig, run_dir: Path, **plan_options: Any) -> None:
+        super().__init__()
+        self.plan: RunPlan | None = None
+        self.main()(functools.partial(self.run, config, run_dir, plan_options))
+
+    def run(self, config: ExperimentConfig, run_dir: Path, plan_options: dict[str, Any], grid: Grid,
+            context: Context) -> None:
+        self.plan = plan_run(config, run_dir, **plan_options)
+        serve(grid, self.plan)
+
+
+def make_server_app(
+    config: ExperimentConfig,
+    run_dir: Path,
+    on_round: Callable[[RoundRow], None] | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    make_strategy: Callable[[StrategySetup], Any] | None = None,
+) -> ExperimentServerApp:
+    """The ServerApp of an already validated config (``fedcluster run``/``resume``)."""
+    return ExperimentServerApp(config, run_dir, on_round=on_round, resume=resume, stop_after=stop_after,
+                               make_strategy=make_strategy)
+
+
+# ---- this process's grids ----------------------------------------------------------------------------
+
+
+@contextmanager
+def engine_grid(config: ExperimentConfig) -> Iterator[InProcessGrid]:
+    """The grid of ``config``'s in-process engine (``inprocess``, or ``batched``: the round's clients
+    executed together), over the ClientApp with every client built before the first round, so that
+    a client that cannot be built (its data, its device) is an error before anything runs."""
+    nodes = partition_node_configs(config.partition.num_clients)
+    if config.simulation.engine == "batched":
+        rendezvous = batched_rendezvous(config)
+        app = FedclusterClientApp(config, keep_clients=True, compute=functools.partial(BatchedCompute, rendezvous))
+        grid: InProcessGrid = BatchedGrid(app, nodes, rendezvous=rendezvous)
+    else:
+        rendezvous = None
+        app = FedclusterClientApp(config, keep_clients=True)
+        grid = InProcessGrid(app, nodes)
+    try:
+        for context in grid.contexts.values():
+            app.client(context)
+        yield grid
+    finally:
+        if rendezvous is not None:
+            rendezvous.close()
+
+
+def run_in_process(
+    config: ExperimentConfig,
+    run_dir: Path,
+    make_strategy: Callable[[StrategySetup], Any] | None = None,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    on_round: Callable[[RoundRow], None] | None = None,
+) -> ClusteredStrategy:
+    """Run ``config`` to the end (or to ``stop_after``, checkpointed; ``resume``: from the checkpoint
+    in ``run_dir``) on its engine's grid in this process (``simulation.engine`` ``batched``: the
+    round's clients executed together; any other: one after another); return the strategy (its
+    models, assignment; its round log is ``observer``). torch runs one thread inside, as in each of
+    the Ray engine's clients (the caller's count is restored).
+
+    ``make_strategy`` builds another strategy from the experiment's setup (a strategy that is not in
+    the registry, e.g. a test's own); ``on_round`` is called with each round's row as it is recorded
+    (as ``fedcluster run``'s progress is)."""
+    app = make_server_app(config, run_dir, on_round, resume, stop_after, make_strategy)
+    with torch_threads(1), engine_grid(config) as grid:
+        app(grid, Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), {}))
+    assert app.plan is not None
+    return app.plan.strategy
+
+
+# ---- flwr run ---------------------------------------------------------------------------------------
+
+FLWR_RUN_OUTPUT_ROOT = Path.home() / "fedcluster"
+
+
+class RunConfigError(RuntimeError):
+    """The run config of a ``flwr run`` is not a valid experiment: the run fails with this message."""
+
+
+def flwr_run_dir(config: ExperimentConfig, run_id: int) -> Path:
+    """Where a ``flwr run`` writes its results (absolute ``output_dir`` kept as is)."""
+    base = Path(config.output_dir).expanduser()
+    if not base.is_absolute():
+        base = FLWR_RUN_OUTPUT_ROOT / base
+    name = run_dir_name(config.strategy.name, config.dataset.name, config.partition.name)
+    return base / f"{name}_run{run_id}"
+
+
+# Options of the experiment config that a `flwr run` cannot honour: there the SuperLink's own runtime
+# (Flower's simulation runtime with the federation's settings, or real SuperNodes) runs the clients.
+# (simulation.engine inprocess/batched and the batched options do apply: flwr_run_main runs that engine.)
+IGNORED_UNDER_FLWR_RUN = {
+    "ray_address": "Flower's simulation runtime starts its own Ray",
+    "num_cpus_per_client": "use flwr run --federation-config \"client-resources-num-cpus=N\"",
+    "num_gpus_per_client": "use flwr run --federation-config \"client-resources-num-gpus=X\"",
+}
+
+
+def flwr_run_notes(config: ExperimentConfig) -> list[str]:
+    """``simulation.KEY=value (why)`` for each option of ``config`` set away from its default that
+    has no effect under ``flwr run`` (a default says nothing the user asked for)."""
+    defaults = SimulationConfig()
+    return [
+        f"simulation.{key}={getattr(config.simulation, key)} ({why})"
+        for key, why in IGNORED_UNDER_FLWR_RUN.items()
+        if getattr(config.simulation, key) != getattr(defaults, key)
+    ]
+
+
+def flwr_run_summary(run_dir: Path) -> str:
+    """What a ``flwr run`` logs at its end: ``fedcluster run``'s summary of a finished run, or the
+    round an unfinished one stopped after and where its results are."""
+    summary = read_summary(run_dir)
+    if not summary.get("finished"):
+        done = summary.get("completed_rounds", 0)
+        return f"fedcluster: the run stopped after round {done}; its results so far are in {run_dir}"
+    return f"fedcluster: {summary.get('completed_rounds', '?')} rounds done\n{format_summary(summary, run_dir)}"
+
+
+class FlwrRunLogFilter(logging.Filter):
+    """Flower's log under ``flwr run`` without the traceback Flower logs for a config error (the
+    ServerApp already logged it in one line). Anything else, other errors included, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], RunConfigError))
+
+
+FLWR_RUN_LOG_FILTER = FlwrRunLogFilter()
+_RUN_DIRS: dict[int, Path] = {}  # run id -> its results folder: the main knows it, the lifespan's end reads it
+
+
+@contextmanager
+def config_errors_fail_the_run() -> Iterator[None]:
+    """A configuration or data mistake: one logged line, and a :class:`RunConfigError` that fails the run."""
+    try:
+        yield
+    except (ConfigError, DataError) as err:
+        # An Exception, not SystemExit: Flower's ServerApp thread passes only Exceptions on, and
+        # only then marks the run failed (a SystemExit ended the thread silently: "completed").
+        log(ERROR, "fedcluster configuration error: %s", err)
+        raise RunConfigError(str(err)) from None
+
+
+def start_flwr_run(context: Context) -> tuple[ExperimentConfig, Path]:
+    """The run's config and results folder, with the notes ``fedcluster run`` would print logged."""
+    config = config_from_run_config(context.run_config)
+    run_dir = flwr_run_dir(config, context.run_id)
+    log(INFO, "fedcluster: %s; results in %s", config.strategy.name, run_dir)
+    for note in run_config_notes(context.run_config):  # what fedcluster run prints as note: / warning:
+        log(WARNING if isinstance(note, ConfigWarning) else INFO, "fedcluster: %s", note)
+    notes = flwr_run_notes(config)
+    if notes:
+        log(WARNING, "fedcluster: no effect under flwr run: %s", "; ".join(notes))
+    return config, run_dir
+
+
+def runs_here(grid: Grid, config: ExperimentConfig) -> bool:
+    """Whether ``config``'s engine runs the clients in the ServerApp's process under ``flwr run``:
+    ``inprocess`` / ``batched`` on Flower's simulation grid. Flower 1.42's simulation runtime has no
+    backend a third party can add, but a ServerApp's main runs in the simulation's process, with
+    Flower's run status, log streaming and ``flwr stop``; Flower's Ray still starts its actor pool,
+    which stays idle (set ``client-resources-num-cpus`` to the core count to keep it at one actor).
+    On any other grid (a deployment) they are refused: there the engine would train every client on
+    the server, from the server's copy of the data, while the SuperNodes wait."""
+    engine = config.simulation.engine
+    if engine == "ray":
+        return False
+    if isinstance(grid, InMemoryGrid):
+        return True
+    raise ConfigError(
+        "simulation.engine",
+        f"'{engine}' runs every client inside the ServerApp, which only Flower's simulation runtime may do; this "
+        f"run's grid is a {type(grid).__name__} (a deployment), where it would train every client on the server "
+        f"while the SuperNodes wait: use simulation.engine ray (the default) there",
+    )
+
+
+def log_round(row: RoundRow) -> None:
+    """Each round's progress in the ``flwr run`` log."""
+    accuracy = row.get("mean_client_accuracy")
+    shown = "n/a" if accuracy is None else f"{100 * accuracy:.1f} %"
+    log(INFO, "fedcluster: round %s: mean client accuracy %s, %s clients trained, %s failed fits",
+        row.get("round"), shown, row.get("num_fit_clients"), row.get("fit_failures"))
+
+
+def flwr_run_main(grid: Grid, context: Context) -> None:
+    """What ``flwr run`` runs: the run config's experiment served on ``grid``, or on this process's
+    grid for ``simulation.engine`` inprocess/batched in Flower's simulation (:func:`runs_here`)."""
+    with config_errors_fail_the_run():
+        config, run_dir = start_flwr_run(context)
+        _RUN_DIRS[context.run_id] = run_dir
+        if not runs_here(grid, config):
+            serve(grid, plan_run(config, run_dir, on_round=log_round))
+            return
+        log(INFO, "fedcluster: simulation.engine %s: the ServerApp runs the %s clients in this process (Flower's "
+                  "Ray actors stay idle)", config.simulation.engine, config.partition.num_clients)
+        configure_driver_torch(config)
+        run_in_process(config, run_dir, on_round=log_round)
+
+
+def flwr_run_lifespan(context: Context) -> Iterator[None]:
+    """Around a ``flwr run``'s ServerApp: the log filter, then the summary once the rounds are over
+    (also after a failure, from what the run wrote). The filter stays on: Flower logs a failed run's
+    exception after the ServerApp has returned, and the process ends with the run."""
+    FLOWER_LOGGER.addFilter(FLWR_RUN_LOG_FILTER)  # a second add of the same filter is a no-op
+    yield
+    run_dir = _RUN_DIRS.pop(context.run_id, None)
+    if run_dir is not None and (run_dir / "summary.json").is_file():  # else the run failed before it started, and said why
+        for line in flwr_run_summary(run_dir).splitlines():
+            log(INFO, "%s", line)
+
+
+app = ServerApp()
+app.main()(flwr_run_main)
+app.lifespan()(flwr_run_lifespan)
