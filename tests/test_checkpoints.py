@@ -120,3 +120,45 @@ def test_a_checkpoint_with_the_model_selection_in_the_log_state_resumes_as_one_w
     rows = rows_without_timing(whole.observer.recorder.rows)
     assert rows_without_timing(resumed.observer.recorder.rows) == rows
     assert all("mean_best_val_accuracy" in row for row in rows)
+
+
+# A run folder written by the commit before the Message-API port (legacy Flower API, flat parameter
+# lists): FL+HC on the default config, 6 rounds with clustering in round 3, stopped after round 3,
+# portable numerics, the inprocess engine. Made with
+#   fedcluster run conf/default.yaml --set rounds=6 --set strategy.rounds_before_clustering=2 \
+#     --set simulation.engine=inprocess --set simulation.portable_numerics=true --stop-after 3 --out DIR
+# at commit 83c5647, on an AMD EPYC (AVX2).
+BEFORE_MESSAGE_API = Path(__file__).parent / "fixtures" / "run_before_message_api"
+
+
+def test_a_run_folder_from_before_the_message_api_resumes_to_the_runs_rounds(tmp_path):
+    """Its checkpoint holds the strategy's state only, which the port did not change: resumed by
+    today's code it ends as today's uninterrupted run of its config (bit for bit on a CPU of the
+    fixture's numeric platform; discrete values exact and floats close on any other)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from trajectories import FLOAT_RTOL
+
+    old = shutil.copytree(BEFORE_MESSAGE_API, tmp_path / "old")
+    resumed = subprocess.run([sys.executable, "-m", "fedcluster_flwr.cli", "resume", str(old), "--no-progress"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    overrides = ["rounds=6", "strategy.rounds_before_clustering=2", "simulation.engine=inprocess",
+                 "simulation.portable_numerics=true"]
+    fresh = subprocess.run([sys.executable, "-m", "fedcluster_flwr.cli", "run", str(DEFAULT_CONFIG), "--out",
+                            str(tmp_path / "fresh"), "--no-progress", *[a for o in overrides for a in ("--set", o)]],
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
+    rows = {name: rows_without_timing([json.loads(line) for line in (tmp_path / name / "rounds.jsonl").read_text().splitlines()])
+            for name in ("old", "fresh")}
+    assert len(rows["old"]) == len(rows["fresh"]) == 6
+    discrete = ("round", "phase", "num_clusters", "purity", "fit_clients", "fit_failures", "rejected_updates",
+                "bytes_up", "bytes_down", "bytes_eval", "num_evaluated")
+    for old_row, fresh_row in zip(rows["old"], rows["fresh"]):
+        assert {k: old_row[k] for k in discrete} == {k: fresh_row[k] for k in discrete}
+        np.testing.assert_allclose([old_row["mean_client_accuracy"], old_row["mean_test_loss"]],
+                                   [fresh_row["mean_client_accuracy"], fresh_row["mean_test_loss"]], rtol=FLOAT_RTOL)
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("old", "fresh")]
+    assert summaries[0]["finished"] and summaries[0]["assignment"] == summaries[1]["assignment"]

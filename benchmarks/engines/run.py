@@ -5,6 +5,8 @@ batched engine's CPU rule (benchmarks/engines/README.md).
     python benchmarks/engines/run.py rounds --confs default,dac_fmnist_rot4 --engines inprocess,batched \
         --rounds 2                                            # seconds per round from each run's rounds.jsonl
     python benchmarks/engines/run.py table results/all_confs.jsonl   # those rows as a markdown table
+    python benchmarks/engines/run.py rounds --confs default --rounds 30 --vs ../before --repeat 3 --tag vs
+                                                              # each run also from another commit's checkout, in turn
 
 ``models``: for every registered model on 28x28 (or 8x8 for the digits models) random inputs, K
 clients x one epoch at the confs' batch sizes, timed alternately one client after another
@@ -14,8 +16,10 @@ batched engine's CPU workers runs (one per core); the ratio is per pair. ``round
 seconds of the rounds after the first (round 1 holds start-up and, for DAC, pre-training) and the
 whole run's wall time, the load before and after, and the CPU; each row is appended to
 ``results/<tag>.jsonl`` as its run ends, and a run that fails is a row with its error (``--confs all``:
-every shipped conf, the CIFAR-10 ones included, which fail where CIFAR-10 is not on disk). Results
-go to benchmarks/engines/results/.
+every shipped conf, the CIFAR-10 ones included, which fail where CIFAR-10 is not on disk). With
+``--vs DIR`` (a checkout of another commit) every run is made twice in turn, from this checkout and
+from that one (``checkout``: this / vs), ``--repeat`` times: a speed claim of a change is their ratio,
+measured side by side. Results go to benchmarks/engines/results/.
 """
 
 from __future__ import annotations
@@ -96,35 +100,47 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[str], log: Path) -> list[dict]:
-    """Each (conf, engine) as a fresh ``fedcluster run``; each row is appended to ``log`` as it ends, so
-    a stopped sweep keeps what it measured. A run that fails is a row with its error, not the end."""
+def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[str], log: Path,
+                vs: Path | None = None, repeat: int = 1) -> list[dict]:
+    """Each (conf, engine) as a fresh ``fedcluster run`` (with ``vs``: then the same from that checkout,
+    in turn), ``repeat`` times; each row is appended to ``log`` as it ends, so a stopped sweep keeps
+    what it measured. A run that fails is a row with its error, not the end."""
     rows = []
+    checkouts = {"this": ROOT} | ({"vs": vs} if vs is not None else {})
     for conf in confs:
         for engine in engines:
-            row: dict = {"conf": conf, "engine": engine, "rounds": rounds, "cpu": cpu_model(),
-                         "load_before": os.getloadavg()[0]}
-            with tempfile.TemporaryDirectory() as folder:
-                out = Path(folder) / "run"
-                command = [sys.executable, "-m", "fedcluster_flwr.cli", "run", str(ROOT / "conf" / f"{conf}.yaml"),
-                           "--out", str(out), "--set", f"simulation.engine={engine}", "--set", f"rounds={rounds}",
-                           *[item for setting in extra for item in ("--set", setting)]]
-                started = time.perf_counter()
-                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-                row["wall_seconds"] = time.perf_counter() - started
-                if done.returncode != 0:
-                    lines = [line for line in done.stderr.splitlines() if line.strip()]
-                    row["error"] = lines[-1] if lines else f"exit code {done.returncode}"
-                else:
-                    seconds = [json.loads(line)["seconds"] for line in (out / "rounds.jsonl").read_text().splitlines()]
-                    row |= {"round_seconds": seconds,
-                            "median_after_first": statistics.median(seconds[1:]) if len(seconds) > 1 else None}
-            row["load"] = os.getloadavg()[0]
-            print(json.dumps(row), flush=True)
-            with log.open("a") as file:
-                file.write(json.dumps(row) + "\n")
-            rows.append(row)
+            for repetition in range(repeat):
+                for checkout, root in checkouts.items():
+                    row = time_one_run(conf, engine, rounds, extra, root)
+                    row |= {"checkout": checkout, "repetition": repetition} if vs is not None else {}
+                    print(json.dumps(row), flush=True)
+                    with log.open("a") as file:
+                        file.write(json.dumps(row) + "\n")
+                    rows.append(row)
     return rows
+
+
+def time_one_run(conf: str, engine: str, rounds: int, extra: list[str], root: Path) -> dict:
+    """One ``fedcluster run`` of the checkout at ``root`` (its package and its conf), timed from outside."""
+    row: dict = {"conf": conf, "engine": engine, "rounds": rounds, "cpu": cpu_model(), "load_before": os.getloadavg()[0]}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "run"
+        command = [sys.executable, "-m", "fedcluster_flwr.cli", "run", str(root / "conf" / f"{conf}.yaml"),
+                   "--out", str(out), "--set", f"simulation.engine={engine}", "--set", f"rounds={rounds}",
+                   *[item for setting in extra for item in ("--set", setting)]]
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, env=env)
+        row["wall_seconds"] = time.perf_counter() - started
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            row["error"] = lines[-1] if lines else f"exit code {done.returncode}"
+        else:
+            seconds = [json.loads(line)["seconds"] for line in (out / "rounds.jsonl").read_text().splitlines()]
+            row |= {"round_seconds": seconds,
+                    "median_after_first": statistics.median(seconds[1:]) if len(seconds) > 1 else None}
+    row["load"] = os.getloadavg()[0]
+    return row
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -150,6 +166,31 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def vs_table(rows: list[dict]) -> str:
+    """Rows of a ``--vs`` sweep: per (conf, engine), the median whole-run wall time and the median round
+    after the first of each checkout, and this checkout's over the other's (medians of the ratios of
+    the runs timed in turn, pair by pair)."""
+    lines = ["| conf | engine | wall s: this / vs | ratio | round s after the first: this / vs | ratio | pairs |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    keys = sorted({(r["conf"], r["engine"]) for r in rows}, key=lambda k: [r["conf"] for r in rows].index(k[0]))
+    for conf, engine in keys:
+        pairs: dict[int, dict[str, dict]] = {}
+        for row in rows:
+            if (row["conf"], row["engine"]) == (conf, engine) and "error" not in row:
+                pairs.setdefault(row["repetition"], {})[row["checkout"]] = row
+        whole = [p for p in pairs.values() if len(p) == 2]
+        if not whole:
+            continue
+
+        def cell(key: str) -> str:
+            this, other = (statistics.median(p[c][key] for p in whole) for c in ("this", "vs"))
+            ratio = statistics.median(p["this"][key] / p["vs"][key] for p in whole)
+            return f"{this:.2f} / {other:.2f} | {ratio:.3f}"
+
+        lines.append(f"| {conf} | {engine} | {cell('wall_seconds')} | {cell('median_after_first')} | {len(whole)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -164,18 +205,22 @@ def main() -> None:
     rounds.add_argument("--rounds", type=int, default=3)
     rounds.add_argument("--set", action="append", default=[], help="an override for every run")
     rounds.add_argument("--tag", default="rounds")
+    rounds.add_argument("--vs", type=Path, default=None, help="a checkout of another commit: every run also from it, in turn")
+    rounds.add_argument("--repeat", type=int, default=1, help="times each (conf, engine) runs (with --vs: pairs)")
     table = sub.add_parser("table", help="print the rows of a rounds run (a results/<tag>.jsonl) as markdown")
     table.add_argument("jsonl", type=Path)
     args = parser.parse_args()
     if args.what == "table":
-        print(markdown_table([json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]))
+        rows = [json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]
+        print(vs_table(rows) if any("checkout" in row for row in rows) else markdown_table(rows))
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.what == "models":
         rows, name = time_models(args.clients, args.samples, args.repeat), "models"
     else:
         confs = sorted(p.stem for p in (ROOT / "conf").glob("*.yaml")) if args.confs == "all" else args.confs.split(",")
-        rows = time_rounds(confs, args.engines.split(","), args.rounds, args.set, RESULTS / f"{args.tag}.jsonl")
+        rows = time_rounds(confs, args.engines.split(","), args.rounds, args.set, RESULTS / f"{args.tag}.jsonl",
+                           args.vs.resolve() if args.vs else None, args.repeat)
         name = args.tag
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {RESULTS / f'{name}.json'}")

@@ -1,7 +1,8 @@
-"""Overhead of a simulated round against the compute bound, on this machine's CPU (issue #23).
+"""Overhead of a simulated round against the compute bound, on this machine's CPU (issues #23, #52).
 
-    python benchmarks/overhead/run.py                    # 5 repetitions of a1 a2 b c d, interleaved
+    python benchmarks/overhead/run.py                    # 5 repetitions of a2 a1 b c d e, interleaved
     python benchmarks/overhead/run.py --repetitions 1 --set client.epochs=1   # a quick look
+    python benchmarks/overhead/run.py --vs ../before     # b c d e also from a checkout of another commit
 
 One round's work of Briggs et al.'s paper-scale setting (conf/flhc_mnist_label_swap.yaml with
 ``strategy.name=fedavg``: 100 clients of 600 MNIST training and 100 test samples, ``cnn_briggs``,
@@ -15,9 +16,16 @@ every round every client tests the global model on its own test split), timed fi
   The same workers then time the round's evaluation (every client's test split through the
   global model), reported on its own as ``eval``.
 * b -- our ``fedavg`` strategy on Flower's Ray engine, as ``fedcluster run`` runs it.
-* c -- Flower's own ``flwr.server.strategy.FedAvg`` with our ClientApp, through the same engine
-  (:func:`fedcluster_flwr.engines.simulation.simulate` with the ServerApp swapped).
-* d -- our in-process driver (:mod:`fedcluster_flwr.engines.inprocess`: one process, one torch thread).
+* c -- Flower's own ``FedAvg`` (``flwr.serverapp.strategy``, the Message API) with our ClientApp,
+  through the same engine (:func:`fedcluster_flwr.engine_process.simulate` with the ServerApp swapped):
+  our ClientApp's ``train`` and ``evaluate`` tasks speak Flower's record names, so its stock FedAvg
+  drives them.
+* d -- our ``inprocess`` engine (its grid in one process, one torch thread).
+* e -- our ``batched`` engine (its grid, the round's torch work executed together, one worker per core).
+
+With ``--vs DIR`` (a checkout of another commit, e.g. the one before a change), b, c, d and e also
+run from that checkout, with its own copy of this script as the worker (``b@vs`` ...), interleaved
+with this checkout's: before/after side by side in one run.
 
 Every variant runs in fresh processes. b, c and d run ``--rounds`` rounds; a round's time is the
 wall time between the ends of consecutive rounds (so the first round, which carries Ray's and the
@@ -50,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CONF = ROOT / "conf" / "flhc_mnist_label_swap.yaml"  # Briggs et al.'s paper-scale setting
 BASE_OVERRIDES = ("strategy.name=fedavg",)  # FedAvg on it: the round's work without clustering
-VARIANTS = ("a2", "a1", "b", "c", "d")  # a2 first: a1 is stopped at 3 x a2 + 60 s
+VARIANTS = ("a2", "a1", "b", "c", "d", "e")  # a2 first: a1 is stopped at 3 x a2 + 60 s
 BOUNDS = ("a1", "a2")
 CORES = os.cpu_count() or 1
 
@@ -153,19 +161,17 @@ def fedcluster_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
-    """c: Flower's own FedAvg with our ClientApp, through the same engine function as b."""
-    from flwr.common import ndarrays_to_parameters
-    from flwr.server import ServerAppComponents, ServerConfig
-    from flwr.server.strategy import FedAvg
+    """c: Flower's own FedAvg (Message API) with our ClientApp, through the same engine function as b."""
+    from flwr.app import ArrayRecord
     from flwr.serverapp import ServerApp
+    from flwr.serverapp.strategy import FedAvg
 
-    from fedcluster_flwr import engine, protocol, server_app
-    from fedcluster_flwr.experiment import initial_weights
+    from fedcluster_flwr import engine_process
+    from fedcluster_flwr.apps import server_app
+    from fedcluster_flwr.experiment import initial_model
 
     config = bench_config(args.set, args.rounds)
     stamps: list[tuple[int, float, float]] = []
-    weights = initial_weights(config)
-    layout = protocol.layout_of({protocol.MODELS: [weights]})
     num_clients = config.partition.num_clients
 
     class TimedFedAvg(FedAvg):
@@ -173,38 +179,37 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
 
         round_started = 0.0
 
-        def configure_fit(self, server_round, parameters, client_manager):
+        def configure_train(self, server_round, arrays, train_config, grid):
             self.round_started = time.perf_counter()
-            return super().configure_fit(server_round, parameters, client_manager)
+            return super().configure_train(server_round, arrays, train_config, grid)
 
-        def aggregate_evaluate(self, server_round, results, failures):
-            aggregated = super().aggregate_evaluate(server_round, results, failures)
+        def aggregate_evaluate(self, server_round, replies):
+            aggregated = super().aggregate_evaluate(server_round, replies)
             stamps.append((server_round, time.time(), time.perf_counter() - self.round_started))
             return aggregated
 
-    def instruction(task: protocol.Task):  # the config our ClientApp reads: task, round and layout
-        return lambda server_round: protocol.instruction_config(task, server_round, layout, {})
-
     strategy = TimedFedAvg(
-        fraction_fit=config.strategy.options.client_fraction,
+        fraction_train=config.strategy.options.client_fraction,
         fraction_evaluate=1.0,  # FedAvg's default, and b's: every client tests the model every round
-        min_fit_clients=1,
-        min_evaluate_clients=1,
-        min_available_clients=num_clients,
-        initial_parameters=ndarrays_to_parameters(weights),
-        on_fit_config_fn=instruction(protocol.TRAIN),
-        on_evaluate_config_fn=instruction(protocol.EVALUATE),
+        min_train_nodes=1,
+        min_evaluate_nodes=1,
+        min_available_nodes=num_clients,
     )
-    server_app.make_server_app = lambda *a, **k: ServerApp(  # what engine.simulate serves
-        server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=args.rounds))
-    )
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_model(config).state_dict()), num_rounds=args.rounds)
+
+    server_app.make_server_app = lambda *a, **k: app  # what engine_process.simulate serves
     launched = time.time()
-    engine.simulate(engine.Job(config, Path(args.run_dir)), on_round=None)
+    engine_process.simulate(engine_process.Job(config, Path(args.run_dir)), on_round=None)
     return {"launched": launched, "rounds": stamps}
 
 
 def inprocess_worker(args: argparse.Namespace) -> dict[str, Any]:
-    """d: the in-process driver (one torch thread, as it runs)."""
+    """d and e: the in-process engines (one torch thread per client, as they run), the engine the
+    config's ``simulation.engine`` names."""
     from fedcluster_flwr.apps.server_app import run_in_process
 
     config = bench_config(args.set, args.rounds)
@@ -215,6 +220,10 @@ def inprocess_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"bound": bound_worker, "b": fedcluster_worker, "c": flower_fedavg_worker, "d": inprocess_worker}
+# The worker and the overrides of each variant (e is d on the batched engine).
+VARIANT_WORKER = {"b": ("b", ()), "c": ("c", ()), "d": ("d", ("simulation.engine=inprocess",)),
+                  "e": ("d", ("simulation.engine=batched",))}
+VS = "@vs"  # the suffix of a variant run from the --vs checkout
 
 
 # ---- the driver -------------------------------------------------------------------------------------
@@ -227,17 +236,18 @@ def load() -> list[float]:
 class Worker:
     """A worker in a process group of its own; :meth:`finish` ends the whole group (Ray included)."""
 
-    def __init__(self, args: list[str], handshake: bool = False) -> None:
+    def __init__(self, args: list[str], handshake: bool = False, root: Path = ROOT) -> None:
         """``handshake``: the worker says ``ready`` on stdout and waits for :meth:`go` (else its
-        output goes to a log, shown if it fails)."""
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        output goes to a log, shown if it fails); ``root``: the checkout whose package and copy of
+        this script the worker runs."""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         self.out = tempfile.NamedTemporaryFile(prefix="overhead_", suffix=".json", delete=False)
         self.out.close()
         self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", *args, "--result", self.out.name],
+            [sys.executable, str(root / "benchmarks" / "overhead" / "run.py"), "--worker", *args, "--result", self.out.name],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE if handshake else self.log, stderr=self.log,
-            text=True, start_new_session=True, cwd=ROOT, env=env,
+            text=True, start_new_session=True, cwd=root, env=env,
         )
 
     def wait_ready(self) -> None:
@@ -388,11 +398,15 @@ def run_bound(processes: int, threads: int, clients: list[int], eval_clients: li
     }
 
 
-def run_rounds(variant: str, rounds: int, overrides: list[str]) -> dict[str, Any]:
-    """b, c or d for ``rounds`` rounds: the time of each round after the first, and the start-up."""
-    with tempfile.TemporaryDirectory(prefix=f"overhead_{variant}_") as tmp:
+def run_rounds(variant: str, rounds: int, overrides: list[str], vs: Path | None = None) -> dict[str, Any]:
+    """b, c, d or e (``...@vs``: from the ``vs`` checkout) for ``rounds`` rounds: the time of each
+    round after the first, and the start-up."""
+    name, root = (variant[: -len(VS)], vs) if variant.endswith(VS) else (variant, ROOT)
+    worker_name, extra = VARIANT_WORKER[name]
+    with tempfile.TemporaryDirectory(prefix=f"overhead_{name}_") as tmp:
         before = load()
-        worker = Worker([variant, "--rounds", str(rounds), "--run-dir", str(Path(tmp) / "run"), *_set_args(overrides)])
+        worker = Worker([worker_name, "--rounds", str(rounds), "--run-dir", str(Path(tmp) / "run"),
+                         *_set_args([*overrides, *extra])], root=root)
         sampler = CpuSampler([worker.process.pid])
         sampler.start()
         try:
@@ -442,8 +456,9 @@ def estimate_minutes(args: argparse.Namespace, config) -> float:
     per_client = config.client.epochs * -(-len(data.y_train) // batch) * step
     round_s = clients_per_round(config) * per_client * 1.15 / CORES  # + evaluation
     per_variant = {"a1": round_s * 1.5, "a2": round_s, "b": (args.rounds + 0.5) * round_s,
-                   "c": (args.rounds + 0.5) * round_s, "d": args.inprocess_rounds * round_s * CORES}
-    return args.repetitions * sum(per_variant[v] for v in args.variants) / 60
+                   "c": (args.rounds + 0.5) * round_s, "d": args.inprocess_rounds * round_s * CORES,
+                   "e": args.inprocess_rounds * round_s}
+    return args.repetitions * sum(per_variant[v.removesuffix(VS)] for v in args.variants) / 60
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -474,7 +489,7 @@ def summarize(reps: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]
         summary |= {"bound": best, "a_s": bound["train_s"], "eval_s": bound["eval_s"]}
         cpu_bound = bounds.get("a2", bound)  # one thread per process: the CPU time the steps need
         summary |= {"a_cpu_s": cpu_bound["cpu_train_s"], "eval_cpu_s": cpu_bound["cpu_eval_s"]}
-        for v in ("b", "c", "d"):
+        for v in ("b", "c", "d", "e"):
             if v in medians:
                 summary[f"{v}/a"] = medians[v]["round_s"] / bound["train_s"]
                 summary[f"{v}/(a+eval)"] = medians[v]["round_s"] / (bound["train_s"] + bound["eval_s"])
@@ -482,6 +497,11 @@ def summarize(reps: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]
     if "b" in medians and "c" in medians:
         summary["b/c"] = medians["b"]["round_s"] / medians["c"]["round_s"]
         summary["b/c cpu"] = medians["b"]["cpu_s"] / medians["c"]["cpu_s"]
+    for v in ("b", "c", "d", "e"):  # this checkout against the --vs one
+        if v in medians and v + VS in medians:
+            summary[f"{v}/{v}{VS}"] = medians[v]["round_s"] / medians[v + VS]["round_s"]
+            summary[f"{v}/{v}{VS} cpu"] = medians[v]["cpu_s"] / medians[v + VS]["cpu_s"]
+            summary[f"{v}/{v}{VS} start-up"] = medians[v]["start_up_s"] / medians[v + VS]["start_up_s"]
     return summary
 
 
@@ -494,8 +514,13 @@ WHAT = {
     "a2": f"plain PyTorch, {CORES} processes x 1 thread",
     "b": "our fedavg, Flower's Ray engine (`fedcluster run`)",
     "c": "Flower's FedAvg + our ClientApp, same engine",
-    "d": "our in-process driver (1 process, 1 thread)",
+    "d": "our fedavg, our `inprocess` engine (1 process, 1 thread)",
+    "e": f"our fedavg, our `batched` engine (1 process, {CORES} workers)",
 }
+
+
+def what(variant: str) -> str:
+    return WHAT[variant] if not variant.endswith(VS) else f"{WHAT[variant[: -len(VS)]]}, from the --vs checkout"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -522,14 +547,18 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {v}{mark} | {WHAT[v]} | {fmt(m[v]['train_s'])} + eval {fmt(m[v]['eval_s'])} | "
                          f"{fmt(m[v]['cpu_train_s'])} + eval {fmt(m[v]['cpu_eval_s'])} | – |")
         else:
-            lines.append(f"| {v} | {WHAT[v]} | {fmt(m[v]['round_s'])} | {fmt(m[v]['cpu_s'])} | {fmt(m[v]['start_up_s'], 1)} |")
+            lines.append(f"| {v} | {what(v)} | {fmt(m[v]['round_s'])} | {fmt(m[v]['cpu_s'])} | {fmt(m[v]['start_up_s'], 1)} |")
     lines += ["", "| ratio | wall | CPU |", "|---|---|---|"]
-    for v in ("b", "c", "d"):
+    for v in ("b", "c", "d", "e"):
         if f"{v}/a" in s:
             lines.append(f"| {v}/a | {fmt(s[f'{v}/a'], 3)} | – |")
             lines.append(f"| {v}/(a+eval) | {fmt(s[f'{v}/(a+eval)'], 3)} | {fmt(s[f'{v}/(a+eval) cpu'], 3)} |")
     if "b/c" in s:
         lines.append(f"| b/c | {fmt(s['b/c'], 3)} | {fmt(s['b/c cpu'], 3)} |")
+    for v in ("b", "c", "d", "e"):
+        if f"{v}/{v}{VS}" in s:
+            lines.append(f"| {v}/{v}{VS} | {fmt(s[f'{v}/{v}{VS}'], 3)} | {fmt(s[f'{v}/{v}{VS} cpu'], 3)} "
+                         f"(start-up {fmt(s[f'{v}/{v}{VS} start-up'], 3)}) |")
     kinds = sorted({k for v in variants if v not in BOUNDS for k in m[v]["cpu_by_kind_s"]})
     if kinds:
         lines += ["", "CPU s per round by process: " + "; ".join(
@@ -574,6 +603,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of b and c (the first is start-up; default 3)")
     parser.add_argument("--inprocess-rounds", type=int, default=2, help="rounds of d (default 2)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--vs", type=Path, default=None,
+                        help="a checkout of another commit: b, c, d and e also run from it (b@vs ...), interleaved")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (all variants)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
@@ -590,7 +621,12 @@ def main() -> None:
         os._exit(0)  # Flower may leave non-daemon threads behind; the driver ends the process group
 
     args.variants = args.variants.split(",")
-    unknown = set(args.variants) - set(VARIANTS)
+    if args.vs is not None:
+        if not (args.vs / "benchmarks" / "overhead" / "run.py").is_file():
+            parser.error(f"--vs {args.vs}: not a checkout of this project (no benchmarks/overhead/run.py)")
+        args.vs = args.vs.resolve()
+        args.variants = [w for v in args.variants for w in ((v, v + VS) if v in VARIANT_WORKER else (v,))]  # side by side
+    unknown = {v.removesuffix(VS) for v in args.variants} - set(VARIANTS)
     if unknown or args.rounds < 2 or args.inprocess_rounds < 2:
         parser.error(f"variants are {', '.join(VARIANTS)}; --rounds and --inprocess-rounds must be >= 2")
     config = bench_config(args.set)
@@ -609,7 +645,8 @@ def main() -> None:
                 cap = 3 * runs["a2"]["train_s"] + 60 if runs.get("a2", {}).get("train_s") else None
                 runs[v] = run_bound(1, CORES, clients, eval_clients, args.set, cap)
             else:
-                runs[v] = run_rounds(v, args.inprocess_rounds if v == "d" else args.rounds, args.set)
+                in_process = v.removesuffix(VS) in ("d", "e")
+                runs[v] = run_rounds(v, args.inprocess_rounds if in_process else args.rounds, args.set, args.vs)
             r = runs[v]
             wall, cpu = (r["train_s"], r["cpu_train_s"]) if v in BOUNDS else (r["round_median_s"], r["cpu_median_s"])
             print(f"repetition {rep + 1}/{args.repetitions} {v}: {fmt(wall)} s, CPU {fmt(cpu)} s per round "
