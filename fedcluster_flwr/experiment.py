@@ -63,7 +63,7 @@ def _config_from_items(items: tuple[tuple[str, Any], ...]) -> tuple[ExperimentCo
 
 
 def config_from_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
-    """The experiment config of a ``flwr run`` (cached: client_fn runs every round)."""
+    """The experiment config of a ``flwr run`` (cached: the ClientApp reads it with every message)."""
     return _config_from_items(tuple(sorted(run_config.items())))[0]
 
 
@@ -204,7 +204,7 @@ def make_client(
     data: ClientData | None = None,
     client_class: Callable[..., ClusterClient] = ClusterClient,
 ) -> ClusterClient:
-    """The NumPyClient of partition ``pid`` (or, given ``data``, of client ``pid`` on a device's own data)."""
+    """The client of partition ``pid`` (or, given ``data``, of client ``pid`` on a device's own data)."""
     configure_torch(config)  # before the client's data become tensors
     if not 0 <= pid < config.partition.num_clients:
         name = "partition-id" if data is None else "client-id"

@@ -72,7 +72,7 @@ class DatasetPool:
         with ``standardize`` (``dataset.scaling: standardized``), normalized by the dataset's mean and std."""
         index = torch.as_tensor(indices, dtype=torch.long)
         # index_select copies whole images; indexing with a tensor (images[index]) took ~7x as
-        # long, and a client is built for every message it gets (client_fn runs every round)
+        # long, and on the Ray engine the ClientApp builds a client for every message it gets
         x = self.images.index_select(0, index).to(torch.float32).div_(self.scale)
         y = torch.as_tensor(self.labels[indices], dtype=torch.long)
         rotated = transform.rotation % 360 != 0
@@ -113,7 +113,7 @@ def resolve_data_dir(data_dir: str | None) -> Path:
 
 
 def load_pool(name: str, data_dir: str | None = None, download: bool = False) -> DatasetPool:
-    """Load dataset ``name`` once per process (client_fn runs every round)."""
+    """Load dataset ``name`` once per process (the ClientApp builds a client per message on the Ray engine)."""
     root = None if name == "digits" else str(resolve_data_dir(data_dir))
     return _load_pool(name, root, download)
 

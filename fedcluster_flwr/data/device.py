@@ -130,8 +130,8 @@ def _int_entry(node_config: Mapping[str, Any], key: str) -> int:
 
 
 def load_device_data(data_dir: Path | str, inputs: InputFormat) -> ClientData:
-    """The data in ``data_dir`` for a model that takes ``inputs``; loaded once per process
-    (client_fn runs every round)."""
+    """The data in ``data_dir`` for a model that takes ``inputs``; loaded once per process (a
+    SuperNode's ClientApp builds a client for every message it gets)."""
     return _load_device_data(str(Path(data_dir).expanduser().resolve()), inputs)
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar, Union
@@ -374,8 +374,8 @@ class ClusteredStrategy(Strategy):
         """Log the strategy's options (Flower's ``Strategy.summary``; ``summary.json`` entries are
         :meth:`summary_entries`)."""
         log(INFO, "\t├──> %s (%s) on %d clients", self.name, type(self).__name__, self.setup.num_clients)
-        for key, value in vars(self.options).items() if hasattr(self.options, "__dict__") else ():
-            log(INFO, "\t│\t%s: %s", key, value)
+        for option in fields(self.options) if is_dataclass(self.options) else ():  # declared options are dataclasses
+            log(INFO, "\t│\t%s: %s", option.name, getattr(self.options, option.name))
 
     def start(
         self,
