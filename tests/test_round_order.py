@@ -133,3 +133,25 @@ def test_sequential_dac_runs_on_real_clients_alike_on_both_in_process_engines(tm
         assert strategy.communication.sum() == 2 * 10 * 2 and np.isfinite(rows[-1]["mean_train_loss"])
     np.testing.assert_array_equal(runs["inprocess"].communication, runs["batched"].communication)
     assert runs["inprocess"].assignment.tolist() == runs["batched"].assignment.tolist()
+
+
+@pytest.mark.slow
+def test_sequential_dac_on_flowers_ray_engine_makes_the_in_process_engines_decisions(tmp_path):
+    """Through Flower's simulation runtime the turns travel one message at a time, as on our grids:
+    the same neighbours drawn, the same clusters, the same rounds."""
+    from fedcluster_flwr.apps.server_app import run_in_process
+    from fedcluster_flwr.run_files import read_rounds
+    from fedcluster_flwr.runner import run_experiment
+    from trajectories import KEYS
+
+    overrides = ("rounds=3", "partition.name=rotation", "partition.angles=[0,180]", "partition.cluster_sizes=[4,2]",
+                 "partition.num_clients=6", "strategy.name=dac", "strategy.client_fraction=1.0",
+                 "strategy.num_neighbours=2", "strategy.round_order=sequential", "client.epochs=1")
+    config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
+    in_process = run_in_process(config, tmp_path / "inprocess")
+    run_experiment(config, tmp_path / "ray")
+    ray_rows = read_rounds(tmp_path / "ray")
+    assert [r["fit_clients"] for r in ray_rows] == [list(range(6))] * 3
+    for ours, theirs in zip(in_process.observer.recorder.rows, ray_rows, strict=True):
+        assert {k: ours[k] for k in KEYS} == {k: theirs[k] for k in KEYS}, ours["round"]
+    np.testing.assert_array_equal(np.load(tmp_path / "ray" / "communication.npy"), in_process.communication)
