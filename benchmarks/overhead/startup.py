@@ -4,8 +4,8 @@
     python benchmarks/overhead/startup.py                  # 5 pairs, one round of the default job
     python benchmarks/overhead/startup.py --pairs 3 --rounds 2
 
-Each pair times, one after the other, two ways to run the same one-round job (conf/default.yaml, 20
-clients, Ray engine) from nothing to its results folder:
+Each pair times, one after the other, two ways to run the same one-round job (conf/default.yaml with
+``strategy.name=fedavg``, 20 clients, Ray engine) from nothing to its results folder:
 
 * ``fedcluster run``: its engine process calls ``run_simulation`` (Ray started and stopped for the run);
 * the supported path, as ``fedcluster run`` would have to take it: start a SuperLink with the
@@ -47,7 +47,8 @@ def free_port() -> int:
 def fedcluster_run(rounds: int, clients: int, out: Path) -> float:
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "fedcluster_flwr.cli", "run", str(ROOT / "conf" / "default.yaml"),
-                    "--set", f"rounds={rounds}", "--set", f"partition.num_clients={clients}", "--out", str(out),
+                    "--set", "strategy.name=fedavg", "--set", f"rounds={rounds}", "--set", f"partition.num_clients={clients}",
+                    "--out", str(out),
                     "--no-progress"], cwd=ROOT, env=os.environ | QUIET, check=True, capture_output=True)
     return time.perf_counter() - started
 
@@ -68,7 +69,7 @@ def flwr_run(rounds: int, clients: int, out: Path, home: Path) -> float:
             time.sleep(0.1)  # until its port answers
         run = subprocess.run([str(BIN / "flwr"), "run", str(ROOT), "bench", "--stream", "--federation-config",
                               f"num-supernodes={clients}", "--run-config",
-                              f"rounds={rounds} partition.num_clients={clients} output_dir='{out}'"],
+                              f"strategy.name='fedavg' rounds={rounds} partition.num_clients={clients} output_dir='{out}'"],
                              env=env, cwd=home, capture_output=True, text=True)
         if run.returncode != 0 or not list(out.glob("*/summary.json")):
             raise RuntimeError(f"flwr run failed:\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
