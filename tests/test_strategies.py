@@ -717,3 +717,24 @@ def test_a_strategy_connected_to_no_round_log_says_its_rounds_are_not_recorded(t
     strategy.end_round(RoundReport(1, strategy.counters, {0: 0.5, 1: 0.5}, {0: 1.0, 1: 1.0}, eval_failures=0))
     assert "round 1 of fedavg is not recorded: the strategy is not connected to a round log" in caplog.text
     assert not (tmp_path / "rounds.jsonl").exists()
+
+
+def test_a_round_timeout_that_passes_before_any_reply_is_named(tmp_path, caplog):
+    """On Flower's grids a reply that does not come within the round timeout is simply missing: the
+    first round's who-is-who says so naming the key, and a missing training reply is a failure naming it."""
+
+    class Silent(SyntheticGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            return []  # nothing came back within ``timeout``
+
+    strategy = FedAvg(FractionOptions(1.0), make_setup(tmp_path, 2))
+    connect_test_run(strategy)
+    with pytest.raises(FederationError, match=r"did not answer within the round timeout \(simulation.round_timeout_s"):
+        configure(strategy, 1, Silent([SyntheticNode("a", 0, 2), SyntheticNode("b", 1, 2)]))
+    other = FedAvg(FractionOptions(1.0), make_setup(tmp_path / "other", 2))
+    connect_test_run(other)
+    sent = configure(other, 1, synthetic_grid(2))
+    with caplog.at_level(logging.WARNING):
+        _, metrics = other.aggregate_train(1, [reply_to(sent[0], fit_res(constant_model(1.0)))])
+    assert metrics["fit_failures"] == 1
+    assert "round 1: client 1 failed: no reply within the round timeout (simulation.round_timeout_s)" in caplog.text

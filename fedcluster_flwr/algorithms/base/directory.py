@@ -154,7 +154,8 @@ class ClientDirectory:
                 log(WARNING, "node %s sent an unreadable identity (%s); ignored", node, err)
         missing = [node for node in nodes if node not in answers]
         if missing and not errors:
-            errors.append(f"{len(missing)} node(s) did not answer within {self.timeout_s} s")
+            errors.append(f"{len(missing)} node(s) did not answer within the round timeout "
+                          f"(simulation.round_timeout_s: {self.timeout_s} s)")
         return answers
 
     def _read_identity(self, node: int, metrics: Mapping[str, Any]) -> tuple[int | None, tuple[int, int | None] | None]:

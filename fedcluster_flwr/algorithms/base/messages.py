@@ -155,7 +155,7 @@ class RoundMessages:
                 kind, why = outcome
                 (verdicts.failures if kind == FAILED else verdicts.refused).append((pid, why))
         for pid in sorted(set(self._sent) - answered):
-            verdicts.failures.append((pid, "no reply (the round's timeout passed)"))
+            verdicts.failures.append((pid, "no reply within the round timeout (simulation.round_timeout_s)"))
         verdicts.replies.sort(key=lambda r: r.pid)
         return verdicts
 
@@ -217,7 +217,7 @@ class RoundMessages:
             else:
                 problems[pid] = problem
         for pid in sorted(set(self._evaluating) - seen):
-            problems[pid] = "no evaluation result (the round's timeout passed)"
+            problems[pid] = "no evaluation result within the round timeout (simulation.round_timeout_s)"
         return dict(sorted(results.items())), problems
 
 
