@@ -128,14 +128,14 @@ def simulate(job: Job, on_round: Any) -> None:
 
     from . import flower_patches
     from .apps.client_app import FedclusterClientApp
-    from .apps.server_app import make_server_app
+    from .apps.server_app import ExperimentServerApp
 
     flower_patches.install()  # Flower's engine with less of its own work between the clients' (see there)
     config = job.config
     with _quiet(job.verbose):
         run_simulation(
-            server_app=make_server_app(
-                config, job.run_dir, on_round, resume=job.resume_from > 0, stop_after=job.stop_after
+            server_app=ExperimentServerApp(
+                config, job.run_dir, on_round=on_round, resume=job.resume_from > 0, stop_after=job.stop_after
             ),
             client_app=FedclusterClientApp(config),
             num_supernodes=config.partition.num_clients,

@@ -201,7 +201,7 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
     def main(grid, context):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_model(config).state_dict()), num_rounds=args.rounds)
 
-    server_app.make_server_app = lambda *a, **k: app  # what engine_process.simulate serves
+    server_app.ExperimentServerApp = lambda *a, **k: app  # what engine_process.simulate serves
     launched = time.time()
     engine_process.simulate(engine_process.Job(config, Path(args.run_dir)), on_round=None)
     return {"launched": launched, "rounds": stamps}

@@ -130,8 +130,9 @@ def serve(grid: Grid, plan: RunPlan) -> Result:
 
 
 class ExperimentServerApp(ServerApp):
-    """The ServerApp of one given config (``fedcluster run``): its main plans the run (:func:`plan_run`)
-    and serves it on the grid it is given (:func:`serve`); ``plan`` is the run it played."""
+    """The ServerApp of one already validated config (``fedcluster run``/``resume``): its main plans
+    the run (:func:`plan_run`, with ``plan_options``: ``on_round``, ``resume``, ``stop_after``,
+    ``make_strategy``) and serves it on the grid it is given (:func:`serve`); ``plan`` is the run it played."""
 
     def __init__(self, config: ExperimentConfig, run_dir: Path, **plan_options: Any) -> None:
         super().__init__()
@@ -142,19 +143,6 @@ class ExperimentServerApp(ServerApp):
             context: Context) -> None:
         self.plan = plan_run(config, run_dir, **plan_options)
         serve(grid, self.plan)
-
-
-def make_server_app(
-    config: ExperimentConfig,
-    run_dir: Path,
-    on_round: Callable[[RoundRow], None] | None = None,
-    resume: bool = False,
-    stop_after: int | None = None,
-    make_strategy: Callable[[StrategySetup], Any] | None = None,
-) -> ExperimentServerApp:
-    """The ServerApp of an already validated config (``fedcluster run``/``resume``)."""
-    return ExperimentServerApp(config, run_dir, on_round=on_round, resume=resume, stop_after=stop_after,
-                               make_strategy=make_strategy)
 
 
 # ---- this process's grids ----------------------------------------------------------------------------
@@ -201,7 +189,8 @@ def run_in_process(
     ``make_strategy`` builds another strategy from the experiment's setup (a strategy that is not in
     the registry, e.g. a test's own); ``on_round`` is called with each round's row as it is recorded
     (as ``fedcluster run``'s progress is)."""
-    app = make_server_app(config, run_dir, on_round, resume, stop_after, make_strategy)
+    app = ExperimentServerApp(config, run_dir, on_round=on_round, resume=resume, stop_after=stop_after,
+                              make_strategy=make_strategy)
     with torch_threads(1), engine_grid(config) as grid:
         app(grid, Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), {}))
     assert app.plan is not None
