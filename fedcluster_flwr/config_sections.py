@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .data.sources import DATASET_SOURCES, HF, dataset_shape
 from .models import MODELS, RENAMED as RENAMED_MODELS
+from .options_builder import DeclaredOptions
 from .schema import (
     REQUIRED,
     HostPort,
@@ -35,7 +36,7 @@ from .schema import (
 
 
 @dataclass(frozen=True)
-class DatasetConfig:
+class DatasetConfig(DeclaredOptions):
     name: str = option("digits", InRegistry(DATASET_SOURCES, "dataset"))
     data_dir: str | None = None  # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
     download: bool = False  # let torchvision fetch MNIST/Fashion-MNIST/CIFAR-10 when online
@@ -58,7 +59,7 @@ class DatasetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PartitionConfig:
+class PartitionConfig(DeclaredOptions):
     """The ``partition`` section: these keys, plus the options of the partitioner ``name``."""
 
     name: str
@@ -86,12 +87,12 @@ PARTITION_COMMON = set(config_keys(PartitionConfig)) - {"options"}
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(DeclaredOptions):
     name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS))
 
 
 @dataclass(frozen=True)
-class ClientConfig:
+class ClientConfig(DeclaredOptions):
     epochs: int = option(1, at_least(1))
     batch_size: int = option(32, at_least(1))
     lr: float = option(0.05, above(0))
@@ -108,7 +109,7 @@ class StrategyConfig:
 
 
 @dataclass(frozen=True)
-class SimulationConfig:
+class SimulationConfig(DeclaredOptions):
     # How a round's client tasks execute; the strategy and the results files are the same on all
     # three (docs/how-to/engines.md). ray: Flower's virtual client engine, one ClientApp call per client.
     # inprocess: the same calls one after another in one process, no Ray (bit for bit ray's rounds).
@@ -150,7 +151,7 @@ class SimulationConfig:
 
 
 @dataclass(frozen=True)
-class FaultsConfig:
+class FaultsConfig(DeclaredOptions):
     """Faults injected on the client side for robustness studies: in every round each client,
     independently and reproducibly (a function of ``seed``, the round and its partition id), fails
     its fit with probability ``drop_rate`` (it raises: a failure) or sends a model full of NaN with
@@ -171,7 +172,7 @@ class FaultsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExperimentConfig:
+class ExperimentConfig(DeclaredOptions):
     """The whole YAML: its sections, then the top-level keys, declared once here. A section left out
     takes its defaults, except ``model``; ``partition`` (default iid) and ``strategy`` (default
     fedavg) are built by :func:`build_config` from the partitioner / strategy they name."""

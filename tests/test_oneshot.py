@@ -398,7 +398,7 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
 
 
 @pytest.mark.parametrize("cut, clusters, rule", [({"threshold": 1e-3}, 2, "threshold 0.001"),
-                                                 ({"threshold": 1.5}, 1, "threshold 1.5"),  # above every distance
+                                                 ({"threshold": 0.999}, 1, "threshold 0.999"),  # above every distance
                                                  ({"num_clusters": 1}, 1, "1 cluster")])  # not the 2 the data has
 def test_the_one_shot_clustering_cuts_as_configured_and_leaves_non_responders_unassigned(tmp_path, cut, clusters, rule):
     strategy, manager = oneshot_strategy(tmp_path, **({"num_clusters": None} | cut)), synthetic_grid(6)

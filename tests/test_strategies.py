@@ -563,8 +563,8 @@ def test_the_projection_of_the_updates_is_drawn_from_the_runs_seed(tmp_path):
     """Every client trains in both rounds, so the seed changes nothing but the projection."""
     saved = {}
     for folder, seed in (("a", 3), ("b", 3), ("c", 4)):
-        strategy = FLHC(FLHCOptions(client_fraction=1.0, rounds_before_clustering=1, num_clusters=3, projection_dim=4,
-                                    save_updates=True),
+        strategy = FLHC(FLHCOptions(client_fraction=1.0, rounds_before_clustering=1, distance="l2", num_clusters=3,
+                                    projection_dim=4, save_updates=True),
                         make_setup(tmp_path / folder, len(GROUPS), true=GROUPS, rounds=4, seed=seed))
         manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
         for rnd in (1, 2):
