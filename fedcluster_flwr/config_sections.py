@@ -91,14 +91,24 @@ class ModelConfig(DeclaredOptions):
     name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS))
 
 
+# The most a factor of the optimizer's update (client.lr, client.weight_decay) may be. torch turns it
+# into the float32 parameters' type and refuses one float32 cannot hold (3.4e38): every fit then
+# fails with "value cannot be converted to type float without overflow" and the run goes on at
+# chance, naming nothing. Adam's first step is lr / (1 - β1) = 10·lr, so 1e37 (with room for
+# round-off) is the largest every optimizer takes; an lr anywhere near it diverges in one step anyway.
+OPTIMIZER_FACTOR_MAX = 1e37
+FLOAT32_STEP = "at most 1e37: Adam's first step, 10·lr, must be a float32 number, as the parameters are"
+
+
 @dataclass(frozen=True)
 class ClientConfig(DeclaredOptions):
     epochs: int = option(1, at_least(1))
     batch_size: int = option(32, at_least(1))
-    lr: float = option(0.05, above(0))
+    lr: float = option(0.05, Interval(0, OPTIMIZER_FACTOR_MAX, closed="right"), note=FLOAT32_STEP)
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = option(0.0, Interval(0, 1, closed="left"))
-    weight_decay: float = option(0.0, at_least(0))
+    weight_decay: float = option(0.0, Interval(0, OPTIMIZER_FACTOR_MAX),
+                                 note="at most 1e37: it multiplies the float32 parameters in every step")
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: a GPU where the client has one, else the CPU
 
 
