@@ -158,6 +158,9 @@ class SimulationConfig(DeclaredOptions):
     def validate(self, prefix: str) -> None:
         for pid, first in self.join_round.items():
             require(first >= 1, join_key(prefix, f"join_round.{pid}"), "rounds start at 1")
+        for pid, rounds in self.fail_fit.items():
+            require(all(r >= 1 for r in rounds), join_key(prefix, f"fail_fit.{pid}"),
+                    f"rounds start at 1, got {min(rounds, default=1)}")
 
 
 @dataclass(frozen=True)

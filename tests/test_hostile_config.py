@@ -163,10 +163,12 @@ def test_a_binary_file_or_a_device_is_named_as_such(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("client.lr=.inf", "client.lr: must be a finite number, got inf"),
-    ("client.lr=1e309", "client.lr: must be a finite number, got inf"),  # YAML reads it as inf
-    ("client.lr=.nan", "client.lr: must be > 0, got nan"),
-    ("client.weight_decay=.inf", "client.weight_decay: must be a finite number, got inf"),
+    ("strategy.threshold=.inf", "strategy.threshold: must be a finite number, got inf"),
+    ("strategy.threshold=1e309", "strategy.threshold: must be a finite number, got inf"),  # YAML reads it as inf
+    ("client.lr=.nan", "client.lr: must be in (0, 1e+37], got nan (at most 1e37: Adam's first step, 10·lr, must be a "
+                       "float32 number, as the parameters are)"),  # its declared bound comes first
+    ("client.weight_decay=.inf", "client.weight_decay: must be in [0, 1e+37], got inf (at most 1e37: it multiplies "
+                                 "the float32 parameters in every step)"),
     ("partition.val_fraction=.nan", "partition.val_fraction: must be a finite number, got nan"),  # no declared constraint
     ("simulation.round_timeout_s=.inf", "simulation.round_timeout_s: must be a finite number, got inf"),
     ("strategy.threshold=-.inf", "strategy.threshold: must be > 0, got -inf"),
@@ -184,7 +186,8 @@ def test_a_non_finite_number_in_a_list_is_named_with_its_place():
 
 def test_a_non_finite_lr_in_a_file_is_refused_naming_client_lr(tmp_path, capsys):
     code, _, err = fedcluster(capsys, "run", str(write(tmp_path / "lr.yaml", MODEL + "client:\n  lr: 1e309\n")))
-    assert code == 2 and one_error_line(err) == "error: client.lr: must be a finite number, got inf"
+    assert code == 2 and one_error_line(err) == ("error: client.lr: must be in (0, 1e+37], got inf (at most 1e37: Adam's "
+                                                 "first step, 10·lr, must be a float32 number, as the parameters are)")
 
 
 @dataclass(frozen=True)
@@ -549,7 +552,7 @@ def test_the_robustness_page_shows_the_messages_the_code_gives(tmp_path):
 
     shown = [
         message(write(tmp_path / "c.yaml", MODEL + "client:\n  lr: 0.1\n  epochs: 2\n\n  lr: 5\n")),
-        message(DEFAULT_CONFIG, "client.lr=1e309"),
+        message(DEFAULT_CONFIG, "strategy.threshold=1e309"),
         message(DEFAULT_CONFIG, ("seed", 2**64)),
         message(DEFAULT_CONFIG, ("rounds", 2**63)),
         message(DEFAULT_CONFIG, ("partition.num_clients", 10**9)),

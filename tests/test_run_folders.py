@@ -106,3 +106,16 @@ def test_links_that_stay_inside_the_folder_are_followed_and_a_branch_copies_thei
     assert not (copied / "config_link.yaml").is_symlink() and (copied / "config_link.yaml").is_file()
     assert (copied / "checkpoint_link" / "models.npz").read_bytes() == (run / "checkpoint" / "models.npz").read_bytes()
     assert not (copied / "accuracy.png").exists() and (copied / "branch.json").is_file()
+
+
+def test_a_last_row_cut_short_by_a_kill_is_not_a_damaged_log(tmp_path):
+    """A run killed while appending a round's row leaves half a line; that round is redone on resume,
+    so the plan goes ahead (a garbled line before the end is refused: test_bad_input.py's cases)."""
+    from fedcluster_flwr.run_files import read_rounds
+    from fedcluster_flwr.runner import plan_continuation
+
+    run = a_run(tmp_path)
+    with open(run / "rounds.jsonl", "a") as log:
+        log.write('{"round": 4, "mean_cli')
+    assert [row["round"] for row in read_rounds(run)] == [1, 2, 3]
+    assert plan_continuation(run).completed_round == 3
