@@ -46,7 +46,7 @@ class DatasetConfig(DeclaredOptions):
     split: str | None = None  # hf: the split to use, or several joined with + (train+test); null: train
     image_key: str | None = None  # hf: the column of images; null: image
     label_key: str | None = None  # hf: the column of integer class labels; null: label
-    cache_dir: str | None = None  # hf: the datasets library's cache; relative: under the data folder; null: <data folder>/huggingface
+    cache_dir: str | None = None  # hf: the datasets library's cache; relative: under the data folder; null: $HF_DATASETS_CACHE, else $HF_HOME/datasets
     # the model's inputs: "standardized" (x/255 - mean) / std per channel, with the dataset's mean and
     # std; "unit": x/255 in [0, 1] (e.g. Lin et al.'s MNIST inputs)
     scaling: Literal["standardized", "unit"] = "standardized"
