@@ -504,38 +504,46 @@ def test_a_stop_signal_outside_a_run_is_one_line_in_process(capsys, monkeypatch)
     assert signal.getsignal(signal.SIGTERM) is previous  # the caller's handler is back
 
 
-# ---- Flower's telemetry --------------------------------------------------------------------------
+# ---- Flower's telemetry and update check, Ray's usage statistics -----------------------------------
+
+FLOWER_QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+QUIET = FLOWER_QUIET | {"RAY_USAGE_STATS_ENABLED": "0"}  # nothing leaves the machine unasked
 
 
-def test_the_tests_run_with_flowers_telemetry_off():
+def test_the_tests_run_with_flowers_telemetry_and_update_check_off():
     import flwr.supercore.telemetry as telemetry
 
-    assert os.environ["FLWR_TELEMETRY_ENABLED"] == "0"
+    assert {name: os.environ[name] for name in QUIET} == QUIET
     assert telemetry.FLWR_TELEMETRY_ENABLED == "0"  # what Flower read when it was imported
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, "0"), ("1", "1")])
-def test_fedcluster_turns_flowers_telemetry_off_unless_the_user_set_it(given, expected):
-    env = {k: v for k, v in os.environ.items() if k != "FLWR_TELEMETRY_ENABLED"}
+@pytest.mark.parametrize("variable", QUIET)
+@pytest.mark.parametrize("given", [None, "set"])
+def test_fedcluster_turns_flowers_telemetry_and_update_check_off_unless_the_user_set_them(variable, given):
+    env = {k: v for k, v in os.environ.items() if k not in QUIET}
+    users = {"FLWR_TELEMETRY_ENABLED": "1", "FLWR_DISABLE_UPDATE_CHECK": "0", "RAY_USAGE_STATS_ENABLED": "1"}[variable]
     if given is not None:
-        env["FLWR_TELEMETRY_ENABLED"] = given
-    probe = "import os, fedcluster_flwr; print(os.environ['FLWR_TELEMETRY_ENABLED'])"
+        env[variable] = users
+    probe = f"import os, fedcluster_flwr; print(os.environ[{variable!r}])"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60,
                           env={**env, "PYTHONPATH": str(ROOT)})
-    assert done.stdout.strip() == expected, done.stderr
+    assert done.stdout.strip() == (QUIET[variable] if given is None else users), done.stderr
 
 
-def test_ci_and_every_benchmark_that_runs_flower_turn_its_telemetry_off():
+def test_ci_the_docs_and_every_benchmark_that_runs_flower_keep_it_quiet():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    exported = ci.index("export FLWR_TELEMETRY_ENABLED=0")
-    assert all(exported < k for k, line in enumerate(ci) if "pytest" in line and not line.startswith("#"))
+    for name, value in QUIET.items():
+        exported = ci.index(f"export {name}={value}")
+        assert all(exported < k for k, line in enumerate(ci) if "pytest" in line and not line.startswith("#"))
     for script in sorted((ROOT / "benchmarks").rglob("*.py")):
         text = script.read_text()
         if re.search(r"run_experiment|fedcluster_flwr\.cli\b|run_simulation", text):
-            sets_it = 'os.environ["FLWR_TELEMETRY_ENABLED"] = "0"' in text
+            sets_it = 'os.environ["FLWR_TELEMETRY_ENABLED"] = "0"' in text  # the update check: fedcluster_flwr's import
             assert sets_it or re.search(r"^(from common import|import common)", text, flags=re.M), script
-    for page in ("README.md", "docs/how-to/deploy.md"):
-        assert "FLWR_TELEMETRY_ENABLED=0" in (ROOT / page).read_text(), page
+    for page, named in (("README.md", QUIET), ("docs/how-to/flwr-run.md", QUIET), ("docs/how-to/deploy.md", FLOWER_QUIET),
+                        ("deploy/Dockerfile", FLOWER_QUIET)):  # a deployment starts no Ray
+        text = (ROOT / page).read_text()
+        assert all(f"{name}={value}" in text for name, value in named.items()), page
 
 
 # ---- the docs' table -----------------------------------------------------------------------------
