@@ -11,8 +11,9 @@ SIGINT, SIGTERM and SIGHUP before it imports the commands: a stop signal at any 
 codes of a stopped run (:class:`fedcluster_flwr.runner.Interrupted`, whose handlers take over while
 a run goes on). Only the interpreter's own start, before this module, is not covered.
 
-Importing the package turns Flower's telemetry off (``FLWR_TELEMETRY_ENABLED=0``) for fedcluster
-and the processes it starts, unless the environment sets it (``fedcluster_flwr/__init__.py``).
+Importing the package turns Flower's telemetry (``FLWR_TELEMETRY_ENABLED=0``) and update check
+(``FLWR_DISABLE_UPDATE_CHECK=1``) and Ray's usage statistics (``RAY_USAGE_STATS_ENABLED=0``) off for
+fedcluster and the processes it starts, unless the environment sets them (``fedcluster_flwr/__init__.py``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 
 from .config_file import parse_value, read_yaml
 from .config_sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, SimulationConfig, StrategyConfig
-from .cost import estimate_cost
+from .cost import POOL_SIZES, estimate_cost
 from .data.partition_options import group_count
 from .data.partitions import PARTITIONERS
 from .models import MODELS
@@ -209,6 +209,7 @@ def _warnings(config: ExperimentConfig) -> list[str]:
     cost = estimate_cost(config)
     notes = [ConfigWarning(f"a very long run: {cost.text()}; check those options (fedcluster run --dry-run "
                            "shows them), or stop it with Ctrl-C and resume it later")] if cost.too_costly else []
+    notes += _few_evaluation_examples(config)
     counted = group_count(config.partition.options)
     if counted is None:
         return notes
@@ -220,6 +221,33 @@ def _warnings(config: ExperimentConfig) -> list[str]:
         f"partition.num_clients ({clients}) is below the {groups} groups of partition.{key}: "
         f"{groups - clients} group(s) get no client; set partition.num_clients to at least {groups} to have them all"
     )]
+
+
+# Fewer test (or validation) examples than this per client is worth a warning, not an error: a
+# judgement call (below it a client's accuracy moves in steps of 10 points or more); none at all is
+# an error (data.partitions.check_split_sizes).
+MIN_EVALUATION_EXAMPLES = 10
+
+
+def _few_evaluation_examples(config: ExperimentConfig) -> list[str]:
+    """A warning where ``partition.test_fraction`` (or ``val_fraction``) leaves a client of about
+    the mean size fewer than :data:`MIN_EVALUATION_EXAMPLES` examples, from the config alone (the
+    samples per client as :mod:`fedcluster_flwr.cost` estimates them); none where it cannot say."""
+    partition = config.partition
+    pool = POOL_SIZES.get(config.dataset.name)
+    samples = partition.samples_per_client or (pool // partition.num_clients if pool else 0)
+    notes = []
+    for key, split, fraction in (("test_fraction", "test", partition.test_fraction),
+                                 ("val_fraction", "validation", partition.val_fraction)):
+        count = round(samples * fraction)
+        if fraction > 0 and 1 <= count < MIN_EVALUATION_EXAMPLES:
+            share = MIN_EVALUATION_EXAMPLES / samples
+            remedy = f"partition.{key} >= {share:.2g}" if share < 0.5 else "more samples per client"
+            notes.append(ConfigWarning(
+                f"partition.{key} {fraction:g} leaves a client about {count} {split} example{'s' * (count > 1)} "
+                f"(of ~{samples} samples): its accuracy moves in steps of {100 / count:.0f} points; "
+                f"{MIN_EVALUATION_EXAMPLES} need {remedy}"))
+    return notes
 
 
 def _check_experiment(config: ExperimentConfig) -> None:
@@ -242,6 +270,10 @@ def _check_experiment(config: ExperimentConfig) -> None:
     for pid, first in config.simulation.join_round.items():
         require(first <= config.rounds, f"simulation.join_round.{pid}",
                 f"round {first} comes after the last round ({config.rounds}): the client would never be online")
+    for pid, rounds in config.simulation.fail_fit.items():
+        require(max(rounds, default=1) <= config.rounds, f"simulation.fail_fit.{pid}",
+                f"round {max(rounds, default=1)} comes after the last round ({config.rounds}): that failure would "
+                "never be injected")
     check_in_experiment(config.partition.options, config, "partition")
     check_in_experiment(config.strategy.options, config, "strategy")
 

@@ -191,8 +191,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(err, "problem", None) or " ".join(str(err).split())
         raise ConfigError("config", f"{path} is not valid YAML: {problem}{where}") from None
-    if data is None:
-        return {}
+    if data is None:  # otherwise reported as the first key a config needs ("model.name: is required")
+        raise ConfigError("config", f"{path} is empty (no keys, or only comments): a config file needs at least "
+                                    "model.name; see conf/default.yaml")
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of keys, got {type(data).__name__}")
     return data

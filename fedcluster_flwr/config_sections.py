@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .data.sources import DATASET_SOURCES, HF, dataset_shape
 from .models import MODELS, RENAMED as RENAMED_MODELS
+from .options_builder import DeclaredOptions
 from .schema import (
     REQUIRED,
     HostPort,
@@ -35,7 +36,7 @@ from .schema import (
 
 
 @dataclass(frozen=True)
-class DatasetConfig:
+class DatasetConfig(DeclaredOptions):
     name: str = option("digits", InRegistry(DATASET_SOURCES, "dataset"))
     data_dir: str | None = None  # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
     download: bool = False  # let torchvision fetch MNIST/Fashion-MNIST/CIFAR-10 when online
@@ -45,7 +46,7 @@ class DatasetConfig:
     split: str | None = None  # hf: the split to use, or several joined with + (train+test); null: train
     image_key: str | None = None  # hf: the column of images; null: image
     label_key: str | None = None  # hf: the column of integer class labels; null: label
-    cache_dir: str | None = None  # hf: the datasets library's cache; relative: under the data folder; null: <data folder>/huggingface
+    cache_dir: str | None = None  # hf: the datasets library's cache; relative: under the data folder; null: $HF_DATASETS_CACHE, else $HF_HOME/datasets
     # the model's inputs: "standardized" (x/255 - mean) / std per channel, with the dataset's mean and
     # std; "unit": x/255 in [0, 1] (e.g. Lin et al.'s MNIST inputs)
     scaling: Literal["standardized", "unit"] = "standardized"
@@ -58,7 +59,7 @@ class DatasetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PartitionConfig:
+class PartitionConfig(DeclaredOptions):
     """The ``partition`` section: these keys, plus the options of the partitioner ``name``."""
 
     name: str
@@ -86,18 +87,28 @@ PARTITION_COMMON = set(config_keys(PartitionConfig)) - {"options"}
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(DeclaredOptions):
     name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS))
 
 
+# The most a factor of the optimizer's update (client.lr, client.weight_decay) may be. torch turns it
+# into the float32 parameters' type and refuses one float32 cannot hold (3.4e38): every fit then
+# fails with "value cannot be converted to type float without overflow" and the run goes on at
+# chance, naming nothing. Adam's first step is lr / (1 - β1) = 10·lr, so 1e37 (with room for
+# round-off) is the largest every optimizer takes; an lr anywhere near it diverges in one step anyway.
+OPTIMIZER_FACTOR_MAX = 1e37
+FLOAT32_STEP = "at most 1e37: Adam's first step, 10·lr, must be a float32 number, as the parameters are"
+
+
 @dataclass(frozen=True)
-class ClientConfig:
+class ClientConfig(DeclaredOptions):
     epochs: int = option(1, at_least(1))
     batch_size: int = option(32, at_least(1))
-    lr: float = option(0.05, above(0))
+    lr: float = option(0.05, Interval(0, OPTIMIZER_FACTOR_MAX, closed="right"), note=FLOAT32_STEP)
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = option(0.0, Interval(0, 1, closed="left"))
-    weight_decay: float = option(0.0, at_least(0))
+    weight_decay: float = option(0.0, Interval(0, OPTIMIZER_FACTOR_MAX),
+                                 note="at most 1e37: it multiplies the float32 parameters in every step")
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: a GPU where the client has one, else the CPU
 
 
@@ -108,7 +119,7 @@ class StrategyConfig:
 
 
 @dataclass(frozen=True)
-class SimulationConfig:
+class SimulationConfig(DeclaredOptions):
     # How a round's client tasks execute; the strategy and the results files are the same on all
     # three (docs/how-to/engines.md). ray: Flower's virtual client engine, one ClientApp call per client.
     # inprocess: the same calls one after another in one process, no Ray (bit for bit ray's rounds).
@@ -147,10 +158,13 @@ class SimulationConfig:
     def validate(self, prefix: str) -> None:
         for pid, first in self.join_round.items():
             require(first >= 1, join_key(prefix, f"join_round.{pid}"), "rounds start at 1")
+        for pid, rounds in self.fail_fit.items():
+            require(all(r >= 1 for r in rounds), join_key(prefix, f"fail_fit.{pid}"),
+                    f"rounds start at 1, got {min(rounds, default=1)}")
 
 
 @dataclass(frozen=True)
-class FaultsConfig:
+class FaultsConfig(DeclaredOptions):
     """Faults injected on the client side for robustness studies: in every round each client,
     independently and reproducibly (a function of ``seed``, the round and its partition id), fails
     its fit with probability ``drop_rate`` (it raises: a failure) or sends a model full of NaN with
@@ -171,7 +185,7 @@ class FaultsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExperimentConfig:
+class ExperimentConfig(DeclaredOptions):
     """The whole YAML: its sections, then the top-level keys, declared once here. A section left out
     takes its defaults, except ``model``; ``partition`` (default iid) and ``strategy`` (default
     fedavg) are built by :func:`build_config` from the partitioner / strategy they name."""

@@ -5,11 +5,18 @@ declare what a valid value is (:mod:`fedcluster_flwr.schema`): it checks keys an
 then runs the declarations, and reports the first problem as a :class:`ConfigError` that says
 which dotted key is wrong, what was expected and what was given. Every option also obeys
 :func:`implied_constraints`: finite numbers and 64-bit integers. :func:`to_plain` goes back.
+
+An options dataclass that derives from :class:`DeclaredOptions` is checked against the same
+declarations whenever it is made, also in code (``FractionOptions(0.25)`` handed to a strategy):
+its errors then name the field (``client_fraction: must be in (0, 1], got 1.5``); built by
+:func:`from_mapping`, the dotted key under the section (``strategy.client_fraction``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -40,7 +47,8 @@ def from_mapping(
     Missing keys take the field's default; unknown keys, wrong types and values outside a
     ``Literal`` are errors. ``built`` holds fields the caller built itself (a section's own
     options dataclass), taken as they are. The built instance is then checked by
-    :func:`check_declared` under ``prefix``.
+    :func:`check_declared` under ``prefix`` (a :class:`DeclaredOptions` checks itself as it is
+    made, under the same prefix).
     """
     data = {} if data is None else data
     built = {} if built is None else built
@@ -60,9 +68,30 @@ def from_mapping(
             values[field.name] = coerce(data[name], hints[field.name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(key, "is required")
-    instance = cls(**values)
-    check_declared(instance, prefix)
+    building = _BUILT_UNDER.set(prefix)
+    try:
+        instance = cls(**values)
+    finally:
+        _BUILT_UNDER.reset(building)
+    check_declared(instance, prefix)  # a DeclaredOptions' declarations again (cheap), then its validate
     return instance
+
+
+# The section an instance is being built under by from_mapping (its errors name the dotted key);
+# "" for an instance made in code. A context variable, so that threads building configs at once
+# (a batched run's clients) each keep their own.
+_BUILT_UNDER: contextvars.ContextVar[str] = contextvars.ContextVar("built_under", default="")
+
+
+class DeclaredOptions:
+    """Base of an options dataclass: every instance, however it is made, is checked against its
+    declarations (:func:`check_declared`: choices, constraints, rules) when it is made, so that an
+    options object built in code obeys the constraints a config's does. Its ``validate`` method,
+    which may read a file or import an optional package, runs where a config is built
+    (:func:`from_mapping`). A subclass with a ``__post_init__`` of its own calls this one."""
+
+    def __post_init__(self) -> None:
+        check_declared(self, _BUILT_UNDER.get(), validate=False)
 
 
 def to_plain(value: Any) -> Any:
@@ -201,15 +230,31 @@ def implied_constraints(declared: Iterable[Constraint]) -> tuple[Constraint, ...
     return (FitsInt64(),) if admits_infinity else (Finite(), FitsInt64())
 
 
-def check_declared(options: Any, prefix: str = "") -> None:
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The fields of ``cls`` typed ``Literal[...]`` (or ``Literal[...] | None``) and their choices."""
+    found = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+        literal = [choice for arg in args if typing.get_origin(arg) is Literal for choice in typing.get_args(arg)]
+        if literal:
+            found[name] = tuple(literal)
+    return found
+
+
+def check_declared(options: Any, prefix: str = "", *, validate: bool = True) -> None:
     """Check a built options dataclass against its declarations, in this order: each field's
-    constraints (field order; its declared ones, then those every field obeys:
-    :func:`implied_constraints`), the class's ``rules``, then its
+    ``Literal`` choices and constraints (field order; its declared ones, then those every field
+    obeys: :func:`implied_constraints`), the class's ``rules``, then (``validate``) its
     ``validate(prefix)`` method if any."""
+    choices = _choices(type(options))
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
         if value is None:
             continue
+        if field.name in choices and value not in choices[field.name]:  # what coerce says of a YAML value
+            raise ConfigError(join_key(prefix, config_key(field)),
+                              f"expected one of {', '.join(map(str, choices[field.name]))}; got {describe(value)}")
         declared = field.metadata.get(CONSTRAINTS, ())
         for constraint in (*declared, *implied_constraints(declared)):
             problem = constraint.violation(value)
@@ -218,9 +263,9 @@ def check_declared(options: Any, prefix: str = "") -> None:
                 raise ConfigError(join_key(prefix, config_key(field)), f"{problem} ({note})" if note else problem)
     for rule in declared_rules(type(options), "rules"):
         rule.check(options, prefix, options)
-    validate = getattr(options, "validate", None)
-    if callable(validate):
-        validate(prefix)
+    method = getattr(options, "validate", None)
+    if validate and callable(method):
+        method(prefix)
 
 
 def check_in_experiment(options: Any, config: Any, prefix: str) -> None:

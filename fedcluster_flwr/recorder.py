@@ -35,6 +35,7 @@ import shutil
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ import yaml
 from .checkpoints import write_checkpoint
 from .files import atomic_write, written_aside
 from .plots import plot_rounds
-from .run_files import RoundRow, read_rounds
+from .run_files import RoundRow, read_rounds, run_folder_entries
 from .schema import ConfigError
 from .tracking import TRACKING_FILE, Tracker, branch_record, check_tracking, open_tracker
 
@@ -278,6 +279,11 @@ class RunRecorder:
 BRANCH_FILE = "branch.json"
 
 
+# What a branch does not copy of its source: plots, a saved update matrix, hidden files (the claim),
+# and the source's tracker run, which is its own (the branch gets a link to it instead).
+NOT_COPIED = ("*.png", "updates.npy", ".*", TRACKING_FILE)
+
+
 def branch_run(
     source: Path, target: Path, resolved_config: Mapping[str, Any], completed_round: int, overrides: Sequence[str]
 ) -> None:
@@ -285,12 +291,18 @@ def branch_run(
     with ``resolved_config`` (the source's, with ``overrides`` applied).
 
     ``branch.json`` records where the branch came from; ``rounds.jsonl`` is cut back to the
-    checkpoint when the branch resumes. Plots and a saved update matrix are not copied.
+    checkpoint when the branch resumes. Plots and a saved update matrix are not copied. Only the
+    source's files and folders are copied, as :func:`run_folder_entries` checked them (a link out
+    of the source, a loop or a FIFO is an error naming it, raised before ``target`` is claimed).
     """
+    entries = [e for e in run_folder_entries(source) if not any(fnmatch(part, pattern) for part in e.parts
+                                                                for pattern in NOT_COPIED)]
     claim_run_dir(target)
-    shutil.copytree(  # the source's tracker run is its own: the branch gets a link to it instead
-        source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "updates.npy", ".*", TRACKING_FILE)
-    )
+    for entry in entries:  # folders come before what they hold
+        if (source / entry).is_dir():
+            (target / entry).mkdir(exist_ok=True)
+        else:
+            shutil.copy2(source / entry, target / entry)
     if (link := branch_record(source, completed_round)) is not None:
         atomic_write(target / TRACKING_FILE, json.dumps(link, indent=2) + "\n")
     atomic_write(target / "config.yaml", yaml.safe_dump(dict(resolved_config), sort_keys=False))

@@ -2,12 +2,15 @@
 
 What a run directory holds (the results contract) is listed in :mod:`fedcluster_flwr.recorder`,
 which writes it; everything here only reads. A missing, truncated or edited file is a
-:class:`DamagedRunError` naming it.
+:class:`DamagedRunError` naming it, and so is an entry a run folder from elsewhere may hold but a
+run never writes (a link out of the folder, a loop, a device, a FIFO: :func:`run_folder_entries`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,68 @@ class DamagedRunError(ConfigError):
 
     def __init__(self, path: Path, message: str) -> None:
         super().__init__(str(path), message)
+
+
+def run_folder_entries(run_dir: Path) -> list[Path]:
+    """Every folder and file of run directory ``run_dir`` (paths relative to it, a folder before
+    what it holds), checked before anything of it is read or copied: a run folder received from
+    someone else may hold what fedcluster never writes. Regular files and folders are what a run
+    holds; a symbolic link is followed only where it stays inside the folder, to one of those. The
+    first entry that is a link out of the folder (``/etc/hostname``, ``/dev/zero``: its contents
+    would be copied or read), a link to nothing, a loop (``sub -> .``, ``loop -> loop``: a copy
+    would never end), a device, a FIFO or a socket (a read may never end) is a
+    :class:`DamagedRunError` naming it. Nothing is read, nothing is written."""
+    root = Path(run_dir).resolve()
+    entries: list[Path] = []
+
+    def walk(folder: Path, inside: frozenset[Path]) -> None:
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            path = Path(entry.path)
+            if entry.is_symlink():
+                _check_link(path, root)
+            status = path.stat()  # a link's target, checked to be inside
+            if stat.S_ISDIR(status.st_mode):
+                real = path.resolve()
+                if real in inside:  # a link to a folder that holds it: the walk (and a copy) would never end
+                    raise DamagedRunError(path, f"is a symbolic link to {_shown(real, root)}, a folder that holds it: "
+                                                "a loop; remove the link")
+                entries.append(path.relative_to(run_dir))
+                walk(path, inside | {real})
+            elif stat.S_ISREG(status.st_mode):
+                entries.append(path.relative_to(run_dir))
+            else:
+                raise DamagedRunError(path, f"is {_kind(status.st_mode)}, not a file a run writes (reading it may never "
+                                            "end); remove it")
+
+    walk(Path(run_dir), frozenset({root}))
+    return entries
+
+
+def _check_link(path: Path, root: Path) -> None:
+    """A symbolic link in a run folder must lead, without a loop, to something inside the folder."""
+    try:
+        target = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise DamagedRunError(path, f"is a symbolic link to nothing ({os.readlink(path)}); remove it") from None
+    except (OSError, RuntimeError):  # ELOOP; Python 3.11's resolve raises RuntimeError for it
+        raise DamagedRunError(path, f"is a symbolic link that loops ({os.readlink(path)}); remove it") from None
+    if not target.is_relative_to(root):
+        raise DamagedRunError(path, f"is a symbolic link out of the run folder (to {target}): a run folder holds its "
+                                    "own files only; put the file itself there, or remove the link")
+
+
+def _shown(real: Path, root: Path) -> str:
+    return "the run folder itself" if real == root else str(real)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (a named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "neither a file nor a folder"
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from .config_sections import ExperimentConfig
 from .engine_process import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
 from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
-from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary
+from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary, run_folder_entries
 from .run_outcome import stop_message, what_was_kept
 from .schema import ConfigError, require
 from .tracking import check_tracking
@@ -314,6 +314,8 @@ def plan_continuation(
     """Check a resume of ``run_dir`` from its checkpoint (to ``rounds`` if given) or, with ``out``,
     a branch of it there with ``overrides`` (``KEY=VALUE``) applied; changes nothing on disk."""
     run_dir = run_dir.resolve()
+    if run_dir.is_dir():  # before anything of it is read: a link out of it, a loop, a FIFO (else check_resumable says)
+        run_folder_entries(run_dir)
     if (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoint" / "state.json").is_file():
         raise no_checkpoint_error(run_dir)
     state = check_resumable(run_dir)

@@ -1,12 +1,16 @@
-"""Shared test helpers: the project root and the default config. Flower's telemetry is off for
-every test and every process a test starts: set here, before anything imports flwr (Flower reads
-FLWR_TELEMETRY_ENABLED once, when flwr.supercore.telemetry is imported)."""
+"""Shared test helpers: the project root and the default config. Flower's telemetry and its update
+check, and Ray's usage statistics, are off for every test and every process a test starts (flwr,
+the SuperLink, SuperNodes, SuperExec, Ray): set here, before anything imports flwr (Flower reads
+FLWR_TELEMETRY_ENABLED once, when flwr.supercore.telemetry is imported; FLWR_DISABLE_UPDATE_CHECK
+when each program starts)."""
 
 from __future__ import annotations
 
 import os
 
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 from pathlib import Path  # noqa: E402
 

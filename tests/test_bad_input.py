@@ -151,6 +151,14 @@ def stopped_before_its_first_checkpoint(tmp: Path) -> None:
     (run / "summary.json").write_text(json.dumps({"finished": False, "completed_rounds": 0}))
 
 
+def with_link(relative: str, target: str) -> Callable[[Path], None]:
+    """A run (:func:`a_run`) from someone else, holding the symbolic link ``relative`` to ``target``."""
+    def setup(tmp: Path) -> None:
+        (tmp / "elsewhere.txt").write_text("outside\n")
+        (a_run(tmp) / relative).symlink_to(target.replace("{tmp}", str(tmp)))
+    return setup
+
+
 def used_out(tmp: Path) -> None:
     (tmp / "out").mkdir()
     (tmp / "out" / "rounds.jsonl").write_text("")
@@ -209,6 +217,13 @@ CASES = [
          names="{tmp}/list.yaml"),
     Case("used-out", "a results folder that already holds files", ("run", CONF, "--out", "{tmp}/out"), setup=used_out,
          names="--out"),
+    Case("config-empty", "an empty config file (comments only)", ("run", "{tmp}/c.yaml"), setup=write("c.yaml", "# todo\n"),
+         names="config: {tmp}/c.yaml is empty"),
+    Case("lr-overflow", "an lr beyond a float32 step", ("run", CONF, "--set", "client.lr=1e300"), names="client.lr: must be in (0, 1e+37]"),
+    Case("fail-fit-late", "an injected failure after the last round", ("run", CONF, "--set", "simulation.fail_fit={0: [1, 999]}"),
+         names="simulation.fail_fit.0: round 999 comes after the last round (30)"),
+    Case("no-test-example", "a test share that leaves a client no test example",
+         ("run", CONF, "--set", "partition.test_fraction=1e-9", "--out", "{tmp}/out"), names="partition.test_fraction"),
     Case("stop-after-end", "`--stop-after` at the last round", ("run", CONF, "--stop-after", "30", "--out", "{tmp}/out"),
          names="--stop-after"),
     # -- data files
@@ -226,6 +241,9 @@ CASES = [
          names="{tmp}/data/MNIST/raw/t10k-labels-idx1-ubyte"),
     Case("mnist-flat", "MNIST files not in torchvision's layout", MNIST,
          setup=lambda tmp: mnist_files(tmp, folder="data"), names="{tmp}/data/MNIST/raw"),
+    Case("mnist-folder", "an MNIST file that is a folder", MNIST,
+         setup=lambda tmp: mnist_files(tmp, lambda raw: (raw / MNIST_RAW[2]).unlink() or (raw / MNIST_RAW[2]).mkdir()),
+         names="{tmp}/data/MNIST/raw/t10k-images-idx3-ubyte is a folder, expected the file"),
     Case("mnist-gz", "MNIST files still compressed", MNIST,
          setup=lambda tmp: mnist_files(tmp, lambda raw: [(raw / n).rename(raw / f"{n}.gz") for n in MNIST_RAW]),
          names="gunzip"),
@@ -279,6 +297,13 @@ CASES = [
          setup=damaged_run(lambda run: (run / "config.yaml").write_text("strategy: {name: flhc\n")),
          names="{tmp}/run/config.yaml"),
     Case("no-run-dir", "a run folder that does not exist", ("resume", "{tmp}/nowhere"), names="{tmp}/nowhere"),
+    Case("link-to-device", "a run folder from elsewhere holding a link to a device", ("resume", "{tmp}/run"),
+         setup=with_link("checkpoint/extra.npy", "/dev/zero"), names="{tmp}/run/checkpoint/extra.npy: is a symbolic link out"),
+    Case("link-outside", "a branch of a run folder holding a link to a file outside it",
+         ("resume", "{tmp}/run", "--out", "{tmp}/b", "--set", "rounds=40"), setup=with_link("notes.txt", "{tmp}/elsewhere.txt"),
+         names="{tmp}/run/notes.txt: is a symbolic link out of the run folder (to {tmp}/elsewhere.txt)"),
+    Case("link-loop", "a run folder holding a link to itself", ("resume", "{tmp}/run"), setup=with_link("sub", "."),
+         names="{tmp}/run/sub: is a symbolic link to the run folder itself, a folder that holds it: a loop"),
     Case("branch-without-out", "changed options on a resume without --out", ("resume", "{tmp}/run", "--set", "rounds=40"),
          setup=a_run, names="--set"),
     # -- fedcluster compare and plot
@@ -423,16 +448,3 @@ def test_there_are_at_least_25_cases_and_the_docs_table_lists_each_with_its_mess
     assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
     expected = table_rows(all_messages(tmp_path.resolve()))
     assert page_table(PAGE.read_text()) == expected, f"{PAGE.relative_to(ROOT)}'s table is stale: run python tests/test_bad_input.py"
-
-
-def test_a_last_row_cut_short_by_a_kill_is_not_a_damaged_log(tmp_path):
-    """A run killed while appending a round's row leaves half a line; that round is redone on resume,
-    so the plan goes ahead (a garbled line before the end is refused: see the cases)."""
-    from fedcluster_flwr.run_files import read_rounds
-    from fedcluster_flwr.runner import plan_continuation
-
-    run = a_run(tmp_path)
-    with open(run / "rounds.jsonl", "a") as log:
-        log.write('{"round": 4, "mean_cli')
-    assert [row["round"] for row in read_rounds(run)] == [1, 2, 3]
-    assert plan_continuation(run).completed_round == 3

@@ -109,6 +109,67 @@ def test_two_clients_train_the_same_model_on_their_own_data_orders(cfg):
     assert not all(np.array_equal(a, b) for a, b in zip(get_weights(models[0]), get_weights(models[1])))
 
 
+def test_every_randomness_stream_of_a_client_is_its_own():
+    """round_seed gives another stream for every run seed, round, partition id and stream number
+    (training, the selection batch, the fault draw): a seed that dropped or repeated one of them
+    would give two clients, two rounds or two runs one data order."""
+    from fedcluster_flwr.algorithms.base.selection import SELECTION_STREAM
+    from fedcluster_flwr.client import FAULT_STREAM, round_seed
+
+    keys = [(seed, rnd, pid, *stream) for seed in (0, 1, 7) for rnd in range(1, 6) for pid in range(6)
+            for stream in ((), (SELECTION_STREAM,), (FAULT_STREAM,))]
+    assert len({round_seed(*key) for key in keys}) == len(keys)
+
+
+def test_a_clients_data_order_follows_the_runs_seed():
+    """Client 0 in round 1 of two runs that differ only in their seed: another data order, so another
+    model from the same start (the partitions differ too; both are the seed's)."""
+    models = []
+    for seed in (0, 1):
+        cfg = config(f"seed={seed}")
+        client = make_client(cfg, 0, cfg.partition.num_clients)
+        client.data = make_client(config("seed=0"), 0, cfg.partition.num_clients).data  # the same data for both
+        model = client.load_model(initial_weights(config("seed=0")))
+        client.train_model(model, 1)
+        models.append(get_weights(model))
+    assert not all(np.array_equal(a, b) for a, b in zip(*models))
+
+
+def test_in_a_round_each_client_draws_its_own_fault():
+    """faults.drop_rate 0.5: in each round some clients drop and others answer (one draw per client,
+    not one per round shared by all)."""
+    from fedcluster_flwr.client import Faults
+
+    faults = Faults(drop_rate=0.5, seed=3)
+    for rnd in range(1, 11):
+        assert {faults.draw(rnd, pid) for pid in range(20)} == {"drop", None}, rnd
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_largest_lr_and_weight_decay_a_config_takes_never_overflow_the_optimizer(optimizer):
+    """client.lr and client.weight_decay stop at 1e37 (config_sections.OPTIMIZER_FACTOR_MAX): at it,
+    every optimizer's step is a float32 number (the model diverges, which the reply checks refuse);
+    past float32's 3.4e38, torch refuses the step, in every fit of the run, which is why the config
+    refuses such a value, naming the key and why."""
+    from dataclasses import replace
+
+    from fedcluster_flwr.config_sections import OPTIMIZER_FACTOR_MAX
+    from fedcluster_flwr.schema import ConfigError
+    from fedcluster_flwr.training import train
+
+    cfg = config(f"client.lr={OPTIMIZER_FACTOR_MAX}", f"client.weight_decay={OPTIMIZER_FACTOR_MAX}",
+                 f"client.optimizer={optimizer}", "client.momentum=0.9")
+    client = make_client(cfg, 0, cfg.partition.num_clients)
+    client.train_model(client.load_model(initial_weights(cfg)), 1)  # no overflow
+    data, past = client.data, replace(client.settings, lr=1e39)
+    with pytest.raises(RuntimeError, match="cannot be converted to type float without overflow"):
+        train(client.load_model(initial_weights(cfg)), data.x_train, data.y_train, past, torch.Generator(), client.device)
+    with pytest.raises(ConfigError, match=r"^client.lr: must be in \(0, 1e\+37\], got 1e\+38 \(at most 1e37: Adam's"):
+        config("client.lr=1e38")
+    with pytest.raises(ConfigError, match=r"^client.weight_decay: must be in \[0, 1e\+37\], got 1e\+300 \(at most"):
+        config("client.weight_decay=1e300")
+
+
 def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg, grid):
     untrained = initial_weights(cfg)
     trained = untrained

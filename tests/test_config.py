@@ -137,7 +137,7 @@ BAD_CONFIGS = [
     (["rounds_=5"], "rounds_", "did you mean 'rounds'"),
     (["rounds=ten"], "rounds", "expected an integer, got 'ten'"),
     (["rounds=0"], "rounds", "must be >= 1"),
-    (["client.lr=-0.1"], "client.lr", "must be > 0"),
+    (["client.lr=-0.1"], "client.lr", "must be in (0, 1e+37], got -0.1"),
     (["client.optimizer=adagrad"], "client.optimizer", "expected one of sgd, adam"),
     (["dataset.name=imagenet"], "dataset.name", "available: digits, mnist"),
     (["model.name=resnet"], "model.name", "available: cnn_briggs"),
@@ -158,6 +158,8 @@ BAD_CONFIGS = [
     (["strategy.name=oneshot_hfl", "strategy.num_clusters=4", "strategy.eigen_floor=1.5"], "strategy.eigen_floor",
      "must be in [0, 1)"),
     (["simulation.fail_fit={99: [3]}"], "simulation.fail_fit.99", "partition ids run from 0 to 19"),
+    (["simulation.fail_fit={3: [2, 0]}"], "simulation.fail_fit.3", "rounds start at 1, got 0"),
+    (["simulation.fail_fit={3: [2, 31]}"], "simulation.fail_fit.3", "round 31 comes after the last round (30)"),
     (["client.epochs=1.5"], "client.epochs", "expected an integer"),
     (["client=3"], "client", "expected a mapping"),
     (["partition.val_fraction=0.8"], "partition.val_fraction", "must be in [0, 1 - test_fraction) = [0, 0.8)"),
@@ -373,3 +375,36 @@ def test_a_folder_given_as_the_config_file_is_named_as_a_folder(tmp_path):
     (tmp_path / "mine.yaml").write_text("rounds: 3\n")
     with pytest.raises(ConfigError, match=rf"give a YAML file in it, e.g. {tmp_path / 'mine.yaml'}$"):
         load_config(tmp_path)
+
+
+def test_an_empty_config_file_is_named_as_empty_not_as_its_first_missing_key(tmp_path):
+    (tmp_path / "c.yaml").write_text("# to fill in\n\n")
+    with pytest.raises(ConfigError, match=rf"^config: {tmp_path / 'c.yaml'} is empty \(no keys, or only comments\)"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_a_share_of_few_test_examples_warns_and_one_of_none_is_refused_naming_the_share():
+    """Below 10 test (validation) examples a client's accuracy moves in coarse steps: a warning, since
+    10 is a judgement call; a share that rounds to no example at all (it was raised to one without
+    a word) is refused when the partition is made, naming the option and the count."""
+    import numpy as np
+
+    from fedcluster_flwr.config import ConfigWarning
+    from fedcluster_flwr.data.partition_options import IidOptions
+    from fedcluster_flwr.data.partitions import make_partition
+
+    _, notes = load("partition.test_fraction=0.05", "partition.val_fraction=0.15")  # 13 validation examples
+    assert notes == [ConfigWarning("partition.test_fraction 0.05 leaves a client about 4 test examples (of ~89 samples): its "
+                                   "accuracy moves in steps of 25 points; 10 need partition.test_fraction >= 0.11")]
+    assert isinstance(notes[0], ConfigWarning) and load("partition.test_fraction=0.12")[1] == []
+    labels = np.repeat(np.arange(10), 20)  # 200 samples, 50 a client
+    split = dict(labels=labels, num_classes=10, num_clients=4, samples_per_client=None, seed=0)
+    with pytest.raises(ConfigError, match=r"^partition.test_fraction: 0.001 gives client 0 0 test examples of its 50 "
+                                          r"samples \(0.05, rounded\); .* \(at least 0.02\)"):
+        make_partition("iid", IidOptions(), test_fraction=0.001, **split)
+    with pytest.raises(ConfigError, match=r"^partition.val_fraction: 0.005 gives client 0 0 validation examples of its 40 "
+                                          r"training samples"):
+        make_partition("iid", IidOptions(), test_fraction=0.2, val_fraction=0.005, **split)
+    made = make_partition("iid", IidOptions(), test_fraction=0.02, val_fraction=0.02, **split)  # one of each
+    assert {len(t) for t in made.test_indices} == {1} and {len(v) for v in made.val_indices} == {1}
+

@@ -1,11 +1,13 @@
 """The documentation: the README stays short, the generated reference pages are what the code
-declares, every repository file the docs name exists, and the MkDocs site builds in strict mode
-(a broken link or anchor fails it)."""
+declares, every repository file the docs name exists, the MkDocs site builds in strict mode (a
+broken link or anchor fails it) and loads no fonts from other servers, and git ignores the keys,
+certificates and data the docs have a user make in the project folder."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 
@@ -91,3 +93,24 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
+    # The site serves its fonts itself (mkdocs.yml: font: false): a reader's browser asks no other server.
+    pages = [page.read_text() for page in (tmp_path / "site").rglob("*.html")]
+    assert pages and not [page for page in pages if "fonts.googleapis.com" in page or "fonts.gstatic.com" in page]
+
+
+# What docs/how-to/deploy.md and the README have a user make in the project folder: private keys,
+# certificates, exported data, the built site. None may be committed by accident.
+MADE_BY_THE_DOCS = ("certs/ca.key", "certs/server.key", "certs/ca.crt", "certs/server.pem", "keys/node0",
+                    "keys/node0.pub", "exported/client_0/data.npz", "exported/manifest.json", "deploy/certs/ca.key",
+                    "deploy/keys/node0", "deploy/data/client_0/data.npz", "site/index.html")
+
+
+def test_git_ignores_every_key_certificate_and_build_folder_the_docs_make():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    deploy = (DOCS / "how-to" / "deploy.md").read_text()
+    assert "make_certificates.sh certs " in deploy and "-f keys/node0" in deploy and " exported --set" in deploy
+    done = subprocess.run(["git", "check-ignore", "--no-index", *MADE_BY_THE_DOCS], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    ignored = set(done.stdout.split())
+    assert ignored == set(MADE_BY_THE_DOCS), f"not git-ignored: {sorted(set(MADE_BY_THE_DOCS) - ignored)}"

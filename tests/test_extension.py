@@ -20,7 +20,7 @@ from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
 from fedcluster_flwr.checkpoints import load_checkpoint
-from fedcluster_flwr.options_builder import from_mapping
+from fedcluster_flwr.options_builder import DeclaredOptions, from_mapping
 from fedcluster_flwr.schema import ConfigError, at_least, option
 from fedcluster_flwr.algorithms.base import HOOKS, ClusteredStrategy, Instruction, Reply
 from fedcluster_flwr.round_log import resume
@@ -48,7 +48,7 @@ def probe_losses(client, inputs: TaskInput) -> TaskOutput:
 
 # Step 1: options that declare what a valid value is.
 @dataclass(frozen=True)
-class ProbeOptions:
+class ProbeOptions(DeclaredOptions):
     num_probes: int = option(3, at_least(2))
     scale: float = option(0.1, at_least(0))
 
@@ -156,8 +156,10 @@ def test_the_toy_strategy_resumes_from_its_checkpoint_bit_for_bit(tmp_path, prob
 
 
 def test_the_toy_strategys_options_errors_name_the_key():
-    with pytest.raises(ConfigError, match=r"strategy.num_probes: must be >= 2, got 1"):
+    with pytest.raises(ConfigError, match=r"^strategy.num_probes: must be >= 2, got 1$"):
         from_mapping(ProbeOptions, {"num_probes": 1}, "strategy")
+    with pytest.raises(ConfigError, match=r"^num_probes: must be >= 2, got 1$"):  # made in code: the field
+        ProbeOptions(num_probes=1)
 
 
 def test_every_documented_hook_is_a_method_of_the_base_strategy():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,7 +119,10 @@ def test_a_run_of_one_true_group_says_purity_and_ari_do_not_apply(tmp_path):
 
 
 @needs_extra
-def test_a_parquet_folder_written_from_arrays_is_the_pool(tmp_path):
+def test_a_parquet_folder_written_from_arrays_is_the_pool(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")  # what $HF_DATASETS_CACHE sets
     images, labels = quadrant_images(40)
     config = hf_config(parquet_folder(tmp_path / "parquet", images, labels), tmp_path)
     assert config.input_shape == (1, SIZE, SIZE) and config.num_classes == NUM_CLASSES  # read from the data
@@ -126,8 +130,17 @@ def test_a_parquet_folder_written_from_arrays_is_the_pool(tmp_path):
     assert pool.images.dtype.is_floating_point is False and pool.scale == 255.0
     assert np.array_equal(pool.images[:, 0].numpy(), images) and np.array_equal(pool.labels, labels)
     assert pool.mean[0] == pytest.approx(images.mean() / 255, rel=1e-9) and pool.std[0] == pytest.approx(images.std() / 255, rel=1e-6)
-    cache = tmp_path / "data" / "huggingface"
-    assert cache.is_dir() and any(cache.iterdir())  # load_dataset's cache is under the data folder
+    cache = tmp_path / "hf_cache"
+    assert cache.is_dir() and any(cache.iterdir())  # no dataset.cache_dir: Hugging Face's own cache folder
+    assert not (tmp_path / "data" / "huggingface").exists()  # nothing in the data folder, which may be read-only
+
+
+def test_the_datasets_cache_is_dataset_cache_dir_where_given_else_hugging_faces_own():
+    from fedcluster_flwr.data.hf import cache_folder
+
+    data = Path("/data")
+    assert cache_folder(None, data) is None  # load_dataset then reads HF_DATASETS_CACHE / HF_HOME
+    assert cache_folder("hf", data) == data / "hf" and cache_folder("/elsewhere/hf", data) == Path("/elsewhere/hf")
 
 
 @needs_extra

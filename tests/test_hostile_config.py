@@ -163,10 +163,12 @@ def test_a_binary_file_or_a_device_is_named_as_such(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("client.lr=.inf", "client.lr: must be a finite number, got inf"),
-    ("client.lr=1e309", "client.lr: must be a finite number, got inf"),  # YAML reads it as inf
-    ("client.lr=.nan", "client.lr: must be > 0, got nan"),
-    ("client.weight_decay=.inf", "client.weight_decay: must be a finite number, got inf"),
+    ("strategy.threshold=.inf", "strategy.threshold: must be a finite number, got inf"),
+    ("strategy.threshold=1e309", "strategy.threshold: must be a finite number, got inf"),  # YAML reads it as inf
+    ("client.lr=.nan", "client.lr: must be in (0, 1e+37], got nan (at most 1e37: Adam's first step, 10·lr, must be a "
+                       "float32 number, as the parameters are)"),  # its declared bound comes first
+    ("client.weight_decay=.inf", "client.weight_decay: must be in [0, 1e+37], got inf (at most 1e37: it multiplies "
+                                 "the float32 parameters in every step)"),
     ("partition.val_fraction=.nan", "partition.val_fraction: must be a finite number, got nan"),  # no declared constraint
     ("simulation.round_timeout_s=.inf", "simulation.round_timeout_s: must be a finite number, got inf"),
     ("strategy.threshold=-.inf", "strategy.threshold: must be > 0, got -inf"),
@@ -184,7 +186,8 @@ def test_a_non_finite_number_in_a_list_is_named_with_its_place():
 
 def test_a_non_finite_lr_in_a_file_is_refused_naming_client_lr(tmp_path, capsys):
     code, _, err = fedcluster(capsys, "run", str(write(tmp_path / "lr.yaml", MODEL + "client:\n  lr: 1e309\n")))
-    assert code == 2 and one_error_line(err) == "error: client.lr: must be a finite number, got inf"
+    assert code == 2 and one_error_line(err) == ("error: client.lr: must be in (0, 1e+37], got inf (at most 1e37: Adam's "
+                                                 "first step, 10·lr, must be a float32 number, as the parameters are)")
 
 
 @dataclass(frozen=True)
@@ -501,38 +504,46 @@ def test_a_stop_signal_outside_a_run_is_one_line_in_process(capsys, monkeypatch)
     assert signal.getsignal(signal.SIGTERM) is previous  # the caller's handler is back
 
 
-# ---- Flower's telemetry --------------------------------------------------------------------------
+# ---- Flower's telemetry and update check, Ray's usage statistics -----------------------------------
+
+FLOWER_QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+QUIET = FLOWER_QUIET | {"RAY_USAGE_STATS_ENABLED": "0"}  # nothing leaves the machine unasked
 
 
-def test_the_tests_run_with_flowers_telemetry_off():
+def test_the_tests_run_with_flowers_telemetry_and_update_check_off():
     import flwr.supercore.telemetry as telemetry
 
-    assert os.environ["FLWR_TELEMETRY_ENABLED"] == "0"
+    assert {name: os.environ[name] for name in QUIET} == QUIET
     assert telemetry.FLWR_TELEMETRY_ENABLED == "0"  # what Flower read when it was imported
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, "0"), ("1", "1")])
-def test_fedcluster_turns_flowers_telemetry_off_unless_the_user_set_it(given, expected):
-    env = {k: v for k, v in os.environ.items() if k != "FLWR_TELEMETRY_ENABLED"}
+@pytest.mark.parametrize("variable", QUIET)
+@pytest.mark.parametrize("given", [None, "set"])
+def test_fedcluster_turns_flowers_telemetry_and_update_check_off_unless_the_user_set_them(variable, given):
+    env = {k: v for k, v in os.environ.items() if k not in QUIET}
+    users = {"FLWR_TELEMETRY_ENABLED": "1", "FLWR_DISABLE_UPDATE_CHECK": "0", "RAY_USAGE_STATS_ENABLED": "1"}[variable]
     if given is not None:
-        env["FLWR_TELEMETRY_ENABLED"] = given
-    probe = "import os, fedcluster_flwr; print(os.environ['FLWR_TELEMETRY_ENABLED'])"
+        env[variable] = users
+    probe = f"import os, fedcluster_flwr; print(os.environ[{variable!r}])"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60,
                           env={**env, "PYTHONPATH": str(ROOT)})
-    assert done.stdout.strip() == expected, done.stderr
+    assert done.stdout.strip() == (QUIET[variable] if given is None else users), done.stderr
 
 
-def test_ci_and_every_benchmark_that_runs_flower_turn_its_telemetry_off():
+def test_ci_the_docs_and_every_benchmark_that_runs_flower_keep_it_quiet():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    exported = ci.index("export FLWR_TELEMETRY_ENABLED=0")
-    assert all(exported < k for k, line in enumerate(ci) if "pytest" in line and not line.startswith("#"))
+    for name, value in QUIET.items():
+        exported = ci.index(f"export {name}={value}")
+        assert all(exported < k for k, line in enumerate(ci) if "pytest" in line and not line.startswith("#"))
     for script in sorted((ROOT / "benchmarks").rglob("*.py")):
         text = script.read_text()
         if re.search(r"run_experiment|fedcluster_flwr\.cli\b|run_simulation", text):
-            sets_it = 'os.environ["FLWR_TELEMETRY_ENABLED"] = "0"' in text
+            sets_it = 'os.environ["FLWR_TELEMETRY_ENABLED"] = "0"' in text  # the update check: fedcluster_flwr's import
             assert sets_it or re.search(r"^(from common import|import common)", text, flags=re.M), script
-    for page in ("README.md", "docs/how-to/deploy.md"):
-        assert "FLWR_TELEMETRY_ENABLED=0" in (ROOT / page).read_text(), page
+    for page, named in (("README.md", QUIET), ("docs/how-to/flwr-run.md", QUIET), ("docs/how-to/deploy.md", FLOWER_QUIET),
+                        ("deploy/Dockerfile", FLOWER_QUIET)):  # a deployment starts no Ray
+        text = (ROOT / page).read_text()
+        assert all(f"{name}={value}" in text for name, value in named.items()), page
 
 
 # ---- the docs' table -----------------------------------------------------------------------------
@@ -549,7 +560,7 @@ def test_the_robustness_page_shows_the_messages_the_code_gives(tmp_path):
 
     shown = [
         message(write(tmp_path / "c.yaml", MODEL + "client:\n  lr: 0.1\n  epochs: 2\n\n  lr: 5\n")),
-        message(DEFAULT_CONFIG, "client.lr=1e309"),
+        message(DEFAULT_CONFIG, "strategy.threshold=1e309"),
         message(DEFAULT_CONFIG, ("seed", 2**64)),
         message(DEFAULT_CONFIG, ("rounds", 2**63)),
         message(DEFAULT_CONFIG, ("partition.num_clients", 10**9)),

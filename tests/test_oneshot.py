@@ -177,6 +177,25 @@ def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_confi
     assert (labels == true).all() or (labels == 1 - true).all()
 
 
+def test_the_relevance_task_takes_eq_3s_eigenvalue_from_the_rule_the_instruction_names(label_group_config):
+    """Ali & Arafa's eq. 3 compares λ̂_k with client i's *own* k-th eigenvalue (its users share only
+    eigenvectors); Amiri et al.'s form with client j's, which j then shares. A relevance task that
+    took j's values under the paper's rule, or left them out under Amiri's, gives another row: each
+    rule's row is relevance_row under that rule, and the two differ on real clients of two tasks."""
+    clients = [make_client(label_group_config, pid, 20) for pid in (0, 1, 19)]  # 0 and 1 share a task, 19 not
+    blocks = [top_gram_eigenpairs(c, TaskInput(1, {}, SHARING | {NUM_EIGENVECTORS_KEY: 5})).blocks for c in clients]
+    vectors, values = [b[EIGENVECTORS][0] for b in blocks], [b[EIGENVALUES][0] for b in blocks]
+    gram, floor = client_gram(clients[0], FEATURE_CONFIG).numpy(), FEATURE_CONFIG[EIGEN_FLOOR_KEY]
+    rows = {}
+    for rule, config, summaries in (("paper", FEATURE_CONFIG, [[v] for v in vectors]),
+                                    ("amiri", SHARING, [[v, lam] for v, lam in zip(vectors, values)])):
+        rows[rule] = relevance_to_every_client(clients[0], TaskInput(2, {EIGENVECTORS: summaries}, config)).blocks[RELEVANCE][0]
+    np.testing.assert_allclose(rows["paper"], relevance_row(gram, vectors, floor=floor), rtol=1e-5)
+    np.testing.assert_allclose(rows["amiri"], relevance_row(gram, vectors, values, floor=floor), rtol=1e-5)
+    assert rows["paper"][0] == pytest.approx(1.0, abs=1e-4) and rows["amiri"][0] == pytest.approx(1.0, abs=1e-4)
+    assert np.abs(rows["paper"][1:] - rows["amiri"][1:]).min() > 1e-3  # another matrix for the other clients
+
+
 def test_the_relevance_task_takes_its_eigen_floor_from_the_instruction(label_group_config):
     """Digits' 64 pixels include a few that are (nearly) constant, so at k = 40 eigenvectors some
     compared eigenvalues are tiny: the guard's ε decides those ratios. The client's row is
@@ -398,7 +417,7 @@ def test_one_shot_clusters_synthetic_clients_and_starts_over_when_too_few_answer
 
 
 @pytest.mark.parametrize("cut, clusters, rule", [({"threshold": 1e-3}, 2, "threshold 0.001"),
-                                                 ({"threshold": 1.5}, 1, "threshold 1.5"),  # above every distance
+                                                 ({"threshold": 0.999}, 1, "threshold 0.999"),  # above every distance
                                                  ({"num_clusters": 1}, 1, "1 cluster")])  # not the 2 the data has
 def test_the_one_shot_clustering_cuts_as_configured_and_leaves_non_responders_unassigned(tmp_path, cut, clusters, rule):
     strategy, manager = oneshot_strategy(tmp_path, **({"num_clusters": None} | cut)), synthetic_grid(6)

@@ -563,8 +563,8 @@ def test_the_projection_of_the_updates_is_drawn_from_the_runs_seed(tmp_path):
     """Every client trains in both rounds, so the seed changes nothing but the projection."""
     saved = {}
     for folder, seed in (("a", 3), ("b", 3), ("c", 4)):
-        strategy = FLHC(FLHCOptions(client_fraction=1.0, rounds_before_clustering=1, num_clusters=3, projection_dim=4,
-                                    save_updates=True),
+        strategy = FLHC(FLHCOptions(client_fraction=1.0, rounds_before_clustering=1, distance="l2", num_clusters=3,
+                                    projection_dim=4, save_updates=True),
                         make_setup(tmp_path / folder, len(GROUPS), true=GROUPS, rounds=4, seed=seed))
         manager, train = synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
         for rnd in (1, 2):
@@ -641,8 +641,12 @@ def test_flhc_clusters_projected_updates(tmp_path):
     assert summary["purity"] == 1.0 and summary["clusters_found"] == 3
 
 
-def test_saved_updates_are_the_clients_deltas(tmp_path):
-    strategy = flhc(tmp_path, save_updates=True)
+@pytest.mark.parametrize("distance", ["l1", "l2", "cosine"])
+def test_saved_updates_are_the_clients_deltas(tmp_path, distance):
+    """What FL+HC clusters, under every distance, is each client's update w_local - w_joint (the
+    matrix it saves is the one it clusters); under l1 and l2 only these rows could tell updates
+    from weights, whose pairwise distances are the same."""
+    strategy = flhc(tmp_path, save_updates=True, distance=distance)
     manager, train = synthetic_grid(len(GROUPS)), Recording(group_trainer(GROUPS))
     for rnd in (1, 2):
         synthetic_round(strategy, manager, rnd, train)
@@ -651,6 +655,27 @@ def test_saved_updates_are_the_clients_deltas(tmp_path):
     saved = np.load(tmp_path / "updates.npy")
     for row, pid in enumerate(strategy.clustering.pids):
         np.testing.assert_allclose(saved[row], train.models[pid] - joint, rtol=1e-6, atol=1e-6)
+
+
+def test_flhc_clusters_by_the_direction_of_the_updates_not_of_the_weights_under_cosine(tmp_path):
+    """The joint model w (norm 10) plus each client's update along u, orthogonal to w: clients 0 and
+    1 move by +0.1 and +10, clients 2 and 3 by -0.1 and -10. The updates point two ways, {0, 1} and
+    {2, 3}; the weights w ± 0.1u are nearly w's direction and w ± 10u far from it and from each other,
+    so clustering the weights by cosine would put 0 with 2 (distance 7e-5) and split off 1 or 3."""
+    from helpers import SyntheticSetup
+
+    joint, u = np.zeros(DIM), np.zeros(DIM)
+    joint[0], u[1] = 10.0, 1.0
+    moves = {0: 0.1, 1: 10.0, 2: -0.1, 3: -10.0}
+    setup = SyntheticSetup(unflatten(joint), 4, np.array([0, 0, 1, 1]), 3, seed=0, run_dir=tmp_path)
+    options = FLHCOptions(client_fraction=1.0, rounds_before_clustering=0, distance="cosine", linkage="complete",
+                          num_clusters=2)
+    strategy = FLHC(options, setup)
+    synthetic_round(strategy, synthetic_grid(4), 1,
+                    lambda client: (unflatten(flat(client.models[0]) + moves[client.pid] * u), 10, {TRAIN_LOSS: 1.0}))
+    assert strategy.clustering is not None
+    a = strategy.assignment
+    assert a[0] == a[1] and a[2] == a[3] and a[0] != a[2], a
 
 
 def test_dendrogram_draws_the_threshold(tmp_path, monkeypatch):

@@ -182,6 +182,7 @@ def check_idx_files(name: str, raw: Path, root: Path) -> None:
     size is what its header promises, as many labels as images, and every label one of the
     dataset's classes (the label files are read whole: 70,000 bytes). Raises a :class:`DataError`
     naming the file and what is wrong with it (sizes in bytes: what it is, what it should be)."""
+    check_files_are_files(name, [raw / f for f in _IDX_FILES])
     missing = [f for f in _IDX_FILES if not (raw / f).is_file()]
     if missing:
         raise DataError(_missing_data_message(name, raw, root, missing))
@@ -224,6 +225,16 @@ def check_idx_files(name: str, raw: Path, root: Path) -> None:
         if images != labels:
             raise DataError(f"{name}: {raw / f'{split}-labels-idx1-ubyte'} holds {labels} labels for "
                             f"{images} images in {split}-images-idx3-ubyte: the two files do not belong together")
+
+
+def check_files_are_files(name: str, paths: Sequence[Path]) -> None:
+    """Each of ``paths`` that exists is a regular file: a folder (or a device, a FIFO) of a data
+    file's name is named as what it is, not reported missing (nor opened)."""
+    for path in paths:
+        if path.is_dir():
+            raise DataError(f"{name}: {path} is a folder, expected the file {path.name}; put the file there instead")
+        if path.exists() and not path.is_file():
+            raise DataError(f"{name}: {path} is not a regular file (a device, FIFO or socket); put the file there instead")
 
 
 def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
@@ -282,6 +293,7 @@ def _load_cifar10(root: Path, download: bool) -> DatasetPool:
         import torchvision
 
         torchvision.datasets.CIFAR10(str(root), train=True, download=True)
+    check_files_are_files("cifar10", [folder / b for b in CIFAR_BATCHES])
     missing = [b for b in CIFAR_BATCHES if not (folder / b).is_file()]
     if missing:
         raise DataError(

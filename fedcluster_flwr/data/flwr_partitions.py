@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ..options_builder import DeclaredOptions
 from ..schema import REQUIRED, ConfigError, describe, did_you_mean, join_key, option
 from .hf import import_optional
 from .partitions import PARTITIONERS, ClientTransform, Partitioner, PartitionRequest, PartitionResult
@@ -80,7 +81,7 @@ class PartitionerArgs(Mapping[str, Any]):
 
 
 @dataclass(frozen=True)
-class FlwrDatasetsOptions:
+class FlwrDatasetsOptions(DeclaredOptions):
     """A Flower Datasets partitioner (`partitioner`, a class name of `flwr_datasets.partitioner`) with
     its arguments `args`; `num_partitions`, `partition_by` and `seed` come from the config (extra
     fedcluster-flwr[hf]; docs/tutorial/own-dataset.md)."""
@@ -92,6 +93,7 @@ class FlwrDatasetsOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "args", PartitionerArgs(self.args))
+        super().__post_init__()  # the declarations, on the arguments as the partitioner takes them
 
     def validate(self, prefix: str) -> None:
         cls = partitioner_class(self.partitioner, join_key(prefix, "partitioner"))

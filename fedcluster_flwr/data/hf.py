@@ -9,8 +9,9 @@ a config names ``hf``. From ``dataset.path``, ``split``, ``image_key`` and ``lab
    samples"); any other local folder or file (parquet, arrow, csv, image folder) with
    ``load_dataset``; a name that is no local path, as a Hub dataset (online only). A relative path
    is looked for in the working directory, then in the data folder (``dataset.data_dir``).
-   ``load_dataset`` keeps its cache in ``dataset.cache_dir`` (default ``<data folder>/huggingface``),
-   never in ``~/.cache``.
+   ``load_dataset`` keeps its cache in ``dataset.cache_dir`` where it is given, else where Hugging
+   Face's own variables say (``HF_DATASETS_CACHE``, else ``$HF_HOME/datasets``, else
+   ``~/.cache/huggingface/datasets``), as every other Hugging Face program of the user does.
 2. Take ``split`` (default ``train``; ``train+test`` joins two, as the built-in pools join theirs).
 3. The input shape and class count are read from the data: the first image's shape, and the
    labels' ``ClassLabel`` (its number of names) or, for plain integers, the largest label + 1.
@@ -40,7 +41,6 @@ HF_EXTRA = "fedcluster-flwr[hf]"
 DEFAULT_SPLIT = "train"
 DEFAULT_IMAGE_KEY = "image"
 DEFAULT_LABEL_KEY = "label"
-CACHE_FOLDER = "huggingface"  # under the data folder, where dataset.cache_dir is not given
 # What save_to_disk writes: a DatasetDict's index, or a single Dataset's state
 SAVED_MARKERS = ("dataset_dict.json", "state.json")
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -67,10 +67,11 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def cache_folder(cache_dir: str | None, data_dir: Path) -> Path:
-    """``dataset.cache_dir``: absolute as given, relative under the data folder; none: ``<data folder>/huggingface``."""
+def cache_folder(cache_dir: str | None, data_dir: Path) -> Path | None:
+    """``dataset.cache_dir``: absolute as given, relative under the data folder; none: None, which
+    leaves the cache where ``HF_DATASETS_CACHE`` / ``HF_HOME`` say (the data folder may be read-only)."""
     if cache_dir is None:
-        return data_dir / CACHE_FOLDER
+        return None
     path = Path(cache_dir).expanduser()
     return path if path.is_absolute() else data_dir / path
 
@@ -104,7 +105,8 @@ def open_split(path: str, split: str | None, data_dir: str, cache_dir: str | Non
 
 def _load(datasets: Any, path: str, split: str | None, root: Path, cache_dir: str | None, hub: bool) -> Any:
     try:
-        return datasets.load_dataset(path, split=split or DEFAULT_SPLIT, cache_dir=str(cache_folder(cache_dir, root)))
+        cache = cache_folder(cache_dir, root)
+        return datasets.load_dataset(path, split=split or DEFAULT_SPLIT, cache_dir=None if cache is None else str(cache))
     except ValueError as err:
         if "split" in str(err).lower():
             raise ConfigError("dataset.split", f"{path}: {_one_line(err)}") from None

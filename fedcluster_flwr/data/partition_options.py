@@ -8,23 +8,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..options_builder import DeclaredOptions
 from ..schema import Interval, above, at_least, join_key, option, require
 
 
 @dataclass(frozen=True)
-class IidOptions:
+class IidOptions(DeclaredOptions):
     """Shuffle the pool and give every client an equal share."""
 
 
 @dataclass(frozen=True)
-class PathologicalOptions:
+class PathologicalOptions(DeclaredOptions):
     """Sort by label, cut into shards, give each client `labels_per_client` shards."""
 
     labels_per_client: int = option(2, at_least(1))
 
 
 @dataclass(frozen=True)
-class LabelSwapOptions:
+class LabelSwapOptions(DeclaredOptions):
     """IID split into `num_groups` groups; group g swaps the label pair `swaps[g]`."""
 
     num_groups: int = option(4, at_least(1))
@@ -53,7 +54,7 @@ class LabelSwapOptions:
 
 
 @dataclass(frozen=True)
-class RotationOptions:
+class RotationOptions(DeclaredOptions):
     """IID split; the clients of cluster k see images rotated by `angles[k]` degrees.
 
     ``rotation_fill`` is what the corners that a rotation by other than a multiple of 90 degrees
@@ -89,7 +90,7 @@ class RotationOptions:
 
 
 @dataclass(frozen=True)
-class LabelGroupsOptions:
+class LabelGroupsOptions(DeclaredOptions):
     """Cluster k mostly holds labels of `groups[k]`, plus `minority_fraction` of others."""
 
     groups: tuple[tuple[int, ...], ...] = ((0, 1, 8, 9), (2, 3, 4, 5, 6, 7))
@@ -110,7 +111,7 @@ class LabelGroupsOptions:
 
 
 @dataclass(frozen=True)
-class ClassSubsetsOptions:
+class ClassSubsetsOptions(DeclaredOptions):
     """Cluster k holds only the classes in `subsets[k]` (uniformly): either `samples_per_client`
     per client, or `cluster_samples[k]` in all, split equally and at random over its clients."""
 
@@ -138,7 +139,7 @@ class ClassSubsetsOptions:
 
 
 @dataclass(frozen=True)
-class DirichletOptions:
+class DirichletOptions(DeclaredOptions):
     """Each class is split over clients with proportions ~ Dir(alpha)."""
 
     alpha: float = option(0.5, above(0))
@@ -146,7 +147,7 @@ class DirichletOptions:
 
 
 @dataclass(frozen=True)
-class NaturalOptions:
+class NaturalOptions(DeclaredOptions):
     """One client per writer (FEMNIST/LEAF); writers drawn at random."""
 
 

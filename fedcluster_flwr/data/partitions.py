@@ -311,11 +311,14 @@ def make_partition(
     rng = np.random.default_rng(seed)
     req = PartitionRequest(labels, num_classes, num_clients, samples_per_client, rng, writers, seed)
     indices, true, transforms = partitioner.build(req, options)
+    check_split_sizes("test_fraction", "test", test_fraction, [len(idx) for idx in indices])
     splits = [stratified_split(np.asarray(idx), labels, test_fraction, rng) for idx in indices]
     val: list[np.ndarray] = []
     if val_fraction > 0:
         val_rng = np.random.default_rng([seed, 1])  # its own stream: train/test splits stay as without it
         share = val_fraction / (1.0 - test_fraction)
+        check_split_sizes("val_fraction", "validation", share, [len(train) for train, _ in splits], val_fraction,
+                          "training samples")
         held = [stratified_split(train, labels, share, val_rng) for train, _ in splits]
         splits = [(train, test) for (train, _), (_, test) in zip(held, splits)]
         val = [v for _, v in held]
@@ -329,3 +332,22 @@ def make_partition(
         transforms=tuple(transforms),
         val_indices=tuple(val),
     )
+
+
+def check_split_sizes(key: str, split: str, share: float, sizes: Sequence[int], given: float | None = None,
+                      of: str = "samples") -> None:
+    """``partition.<key>`` must give every client at least one ``split`` example: a share of a
+    client's ``sizes`` samples that rounds to none (``test_fraction=1e-9``) used to be raised to one
+    example without a word, so that every accuracy measured was 0 or 1. ``given``: the option's
+    value where ``share`` is derived from it (the validation share of the training samples, ``of``)."""
+    smallest = int(np.argmin(sizes)) if len(sizes) else 0
+    if not len(sizes) or round(sizes[smallest] * share) >= 1:
+        return
+    n = sizes[smallest]
+    raise ConfigError(
+        f"partition.{key}",
+        f"{share if given is None else given:g} gives client {smallest} {round(n * share)} {split} examples of its {n} "
+        f"{of} ({n * share:.3g}, rounded); a client needs at least one to be measured: give a larger share"
+        f"{'' if given is not None else f' (at least {1 / n:.3g})'} or more samples per client",
+    )
+

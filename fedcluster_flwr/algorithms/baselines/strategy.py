@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...protocol import MODEL, TRAIN
+from ...options_builder import DeclaredOptions
 from ...schema import option
 from ..base.strategy import ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SHARE_OF_CLIENTS
@@ -19,14 +20,14 @@ from ...registry import register
 
 
 @dataclass(frozen=True)
-class FractionOptions:
+class FractionOptions(DeclaredOptions):
     """Share of clients (per cluster, where there are clusters) that train each round."""
 
     client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
 
 
 @dataclass(frozen=True)
-class LocalOptions:
+class LocalOptions(DeclaredOptions):
     """None: every online client trains its own model in every round."""
 
 

@@ -126,6 +126,7 @@ from .math import bipartition, cosine_similarity
 from .records import Diagnosis, Split, UpdateStatistics
 from .plots import plot_cluster_tree
 from ...protocol import MODEL, TRAIN
+from ...options_builder import DeclaredOptions
 from ...schema import ConfigError, Interval, NoMoreThan, above, at_least, option
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SHARE_OF_CLIENTS
@@ -152,7 +153,7 @@ BIPARTITIONS = {"optimal": "single", "complete": "complete"}  # option value -> 
 
 
 @dataclass(frozen=True)
-class CFLOptions:
+class CFLOptions(DeclaredOptions):
     """CFL hyperparameters; ε1 and ε2 are the paper's thresholds on update norms."""
 
     client_fraction: float = option(1.0, SHARE_OF_CLIENTS)

@@ -69,6 +69,7 @@ from ...protocol import MODEL, MODELS, TRAIN
 from . import tasks as gossip
 from .tasks import GOSSIP_TRAIN
 from ...plots import plot_client_matrix
+from ...options_builder import DeclaredOptions
 from ...schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SHARE_OF_CLIENTS
@@ -83,7 +84,7 @@ PRETRAIN_PHASE = "pretrain"
 
 
 @dataclass(frozen=True)
-class GossipOptions:
+class GossipOptions(DeclaredOptions):
     num_neighbours: int = option(5, at_least(1))
     client_fraction: float = option(1.0, SHARE_OF_CLIENTS)
     same_init: bool = False

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ...protocol import OBJECTIVE_KEY
 from ...registry import objective, register
+from ...options_builder import DeclaredOptions
 from ...schema import at_least, option
 from ...training import Objective
 from ...types import Scalar
@@ -32,7 +33,7 @@ def proximal_objective(config: Mapping[str, Scalar]) -> Objective:
 
 
 @dataclass(frozen=True)
-class FedProxOptions:
+class FedProxOptions(DeclaredOptions):
     """FedAvg's sampling and the proximal term's weight."""
 
     client_fraction: float = option(0.1, SHARE_OF_CLIENTS)

@@ -33,6 +33,7 @@ from flwr.common import log
 from ...types import NDArrays
 from ...clustering import ClusteringRecord, HacResult, UpdateMatrix, cut_rule, flatten, hierarchical_clustering
 from ...protocol import MODEL
+from ...options_builder import DeclaredOptions
 from ...schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
@@ -40,7 +41,7 @@ from ...registry import register
 
 
 @dataclass(frozen=True)
-class FLHCOptions:
+class FLHCOptions(DeclaredOptions):
     """FL+HC hyperparameters; names follow the paper (cf, n, distance, linkage, threshold)."""
 
     client_fraction: float = option(0.2, SHARE_OF_CLIENTS)

@@ -48,6 +48,7 @@ from ... import protocol
 from ...protocol import MODEL, MODELS, TRAIN, Task
 from ..base import selection
 from ..base.selection import DIRECTIONS, SELECT, TRAIN_SELECT
+from ...options_builder import DeclaredOptions
 from ...schema import Interval, LessThan, above, at_least, option, require
 from ..base.strategy import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
@@ -55,7 +56,7 @@ from ...registry import register
 
 
 @dataclass(frozen=True)
-class IFCAOptions:
+class IFCAOptions(DeclaredOptions):
     """IFCA's options (the gradloss options add ``lambda``)."""
 
     num_clusters: int = option(4, at_least(1))

@@ -54,6 +54,7 @@ from ...protocol import MODEL
 from . import tasks as oneshot
 from .tasks import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ...plots import plot_client_matrix
+from ...options_builder import DeclaredOptions
 from ...schema import AtMostOne, Interval, Is, NoMoreThan, OnlyWith, RequiredWith, at_least, join_key, option, require
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
@@ -61,7 +62,7 @@ from ...registry import register
 
 
 @dataclass(frozen=True)
-class HFLOptions:
+class HFLOptions(DeclaredOptions):
     """What every hierarchical variant shares: LPS sampling and the GPS's shared layers."""
 
     client_fraction: float = option(1.0, SHARE_OF_CLIENTS)  # of each LPS's members, per round
@@ -81,7 +82,7 @@ class RandomClustersOptions(HFLOptions):
 
 
 @dataclass(frozen=True)
-class FeatureMapOptions:
+class FeatureMapOptions(DeclaredOptions):
     """The feature map Φ the clients summarise their data with (see :mod:`fedcluster_flwr.features`);
     shared by every one-shot data-similarity strategy (oneshot_hfl, pacfl)."""
 
