@@ -32,9 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # flwr, flower-superlink of this environment
-QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_USAGE_STATS_ENABLED": "0",
          "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}  # nothing leaves the machine; no per-run venv
 
 
