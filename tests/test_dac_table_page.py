@@ -106,3 +106,22 @@ def test_one_seed_prints_its_values_and_unfinished_methods_a_dash(table, tmp_pat
     assert rows_of(page, "local")[0][1:4] == ["–", "", "–"]
     # the low-data setting has its own section, before any of its runs finished
     assert "## rot_unequal_low (" in page and "100 train / 100 validation / 100 test" in page
+
+
+def test_the_reduced_and_reference_pages_print_the_sample_std():
+    """benchmarks/dac/run.py and reference_check.py: ± is the sample std from issue #53 on; the shared
+    helper keeps the population std for the other benchmarks' pages unless asked."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import mean_std
+
+    spec = importlib.util.spec_from_file_location("dac_reference_check", ROOT / "benchmarks" / "dac" / "reference_check.py")
+    reference_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference_check)
+    # the reference page's every-run table: DAC, ours, synchronous, 180 degrees, seeds 0-2
+    assert reference_check.mean_std([65.2, 67.4, 66.3]) == "66.3 ± 1.1"  # population std: 0.9, as the page printed
+    assert reference_check.mean_std([65.2]) == "65.2"
+    assert mean_std([0.70, 0.80], ddof=1) == "0.750 ± 0.071"
+    assert mean_std([0.70, 0.80]) == "0.750 ± 0.050"  # the default: population
+    assert mean_std([0.70, None], ddof=1) == "0.700 (1/2)"
