@@ -67,9 +67,10 @@ PAPER = {
         "dac_var": (74.48, 74.06, 72.58, 73.45, 73.64),
         "random_gossip": (73.14, 54.41, None, None, None),
         # The copy's row reads "74.62 | 42.03 | 65.91": a row keeps its surviving cells in order without the
-        # lost ones (CIFAR's PENS row "57.18 | 40.56 | 5.97" ends in its Std column), so 65.91 is a later
-        # column; as the Mean it puts 10 and 350 degrees at 73.5 on average (4 x 65.91 - 74.62 - 42.03 =
-        # 146.99), beside PENS's own 74.62 on 0 degrees and among DAC's and DAC-var's 10/350 cells (72.58-74.33).
+        # lost ones (CIFAR's PENS row "57.18 | 40.56 | 5.97" ends in its Std column, where DAC -'s full row
+        # has 4.14, the std of its four clusters), so 65.91 is a later column; as the Mean it puts 10 and 350
+        # degrees at 73.5 on average (4 x 65.91 - 74.62 - 42.03 = 146.99), beside PENS's own 74.62 on 0
+        # degrees and among DAC's and DAC-var's 10/350 cells (72.58-74.33).
         "pens": (74.62, 42.03, None, None, 65.91),
         "oracle_gossip": (75.78, 76.39, 77.99, 77.77, None),
     },
