@@ -58,10 +58,14 @@ def value_at(rows: list[dict[str, Any]], key: str, round_number: int) -> Any:
     return next((r.get(key) for r in rows if r["round"] == round_number), None)
 
 
-def mean_std(values: list[float | None], digits: int = 3) -> str:
-    """``mean ± std`` over the values present, with ``(k/n)`` when only k of n have one."""
+def mean_std(values: list[float | None], digits: int = 3, ddof: int = 0) -> str:
+    """``mean ± std`` over the values present, with ``(k/n)`` when only k of n have one. ``ddof`` 0 is the
+    population std, what every page written before issue #53 printed (the scripts that still pass it keep
+    their committed pages' meaning); 1 is the sample std, as a paper reports the spread of its seeds."""
     present = [v for v in values if v is not None]
     if not present:
         return f"– (0/{len(values)})"
-    text = f"{np.mean(present):.{digits}f} ± {np.std(present):.{digits}f}"
+    if len(present) == 1 and ddof:  # no sample spread from one value
+        return f"{present[0]:.{digits}f}" + ("" if len(values) == 1 else f" (1/{len(values)})")
+    text = f"{np.mean(present):.{digits}f} ± {np.std(present, ddof=ddof):.{digits}f}"
     return text if len(present) == len(values) else f"{text} ({len(present)}/{len(values)})"

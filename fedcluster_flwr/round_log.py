@@ -141,6 +141,9 @@ class RoundLog:
     def summary(self, server_round: int, strategy: str, assignment: np.ndarray) -> dict[str, Any]:
         rows = self.recorder.rows
         last = rows[-1] if rows else {}
+        # Round 1 (DAC's pre-training) is the level later rounds are read against: best-validation
+        # selection keeps the round-1 model as a candidate, so that reading starts there (issue #53).
+        first = rows[0] if rows else {}
         accuracies = [r["mean_client_accuracy"] for r in rows if r.get("mean_client_accuracy") is not None]
         reached = [
             r["round"] for r in rows
@@ -161,6 +164,8 @@ class RoundLog:
             "per_true_cluster_accuracy_std": last.get("per_true_cluster_accuracy_std"),
             "mean_best_val_accuracy": last.get("mean_best_val_accuracy"),
             "per_true_cluster_best_val_accuracy": last.get("per_true_cluster_best_val_accuracy"),
+            "first_round_mean_client_accuracy": first.get("mean_client_accuracy"),
+            "per_true_cluster_first_round_accuracy": first.get("per_true_cluster_accuracy"),
             "num_clusters": last.get("num_clusters"),
             "purity": last.get("purity"),
             "ari": last.get("ari"),

@@ -1,5 +1,6 @@
 """The GPU script of benchmarks/device/ runs on a CPU with tiny sizes (slow tier), so that it works
-the first time a GPU is lent: agreement of the engines, a timed round on each, one table run."""
+the first time a GPU is lent: agreement of the engines, a timed round on each, one run of each queued
+table (DAC Table 2, DAC's low-data setting, FL+HC's grid, one-shot HFL), packed into one archive."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -18,13 +20,28 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.skipif(not os.environ.get("FEDCLUSTER_DATA_DIR"), reason="needs Fashion-MNIST under FEDCLUSTER_DATA_DIR")
 def test_the_device_script_dry_run_on_a_cpu(tmp_path: Path):
-    done = subprocess.run([sys.executable, "benchmarks/device/run.py", "--device", "cpu", "--tiny", "--budget", "600",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out, work = tmp_path / "out", tmp_path / "work"
+    done = subprocess.run([sys.executable, "benchmarks/device/run.py", "--device", "cpu", "--tiny", "--budget", "800",
+                           "--out", str(out), "--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    agreement = json.loads((tmp_path / "agreement.json").read_text())
+    agreement = json.loads((out / "agreement.json").read_text())
     assert len(agreement) == 4 and all(case["ok"] and case["fit_failures"] == 0 for case in agreement.values())
-    timing = json.loads((tmp_path / "timing.json").read_text())
+    timing = json.loads((out / "timing.json").read_text())
     assert timing["batched"]["exchange_round_s"] > 0 and timing["inprocess"]["exchange_round_s"] > 0
-    summary = json.loads((tmp_path / "dac_full" / "rot_unequal_dac_seed0" / "summary.json").read_text())
-    assert summary["finished"] is True and summary["completed_rounds"] == 2
-    assert "rot_unequal" in (tmp_path / "dac_full" / "README.md").read_text()
+    # what comes back: a handful of files (the lease returns at most 8), the run folders stay in --work
+    assert sorted(p.name for p in out.iterdir()) == ["agreement.json", "results.tar.gz", "tables.json", "timing.json"]
+    report = json.loads((out / "tables.json").read_text())
+    assert all(report[step] == "exited 0" for step in ("dac_table2", "dac_low", "flhc_grid", "oneshot_full")), report
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = archive.getnames()
+        dac = [n for n in names if n.startswith("benchmarks/dac/results/full/") and n.endswith("/summary.json")]
+        # one run of each DAC step (--max-runs 1), at the repository path it is committed under
+        assert len(dac) == 2 and any("/rot_unequal_low_" in n for n in dac), names
+        summary = json.loads(archive.extractfile(dac[0]).read())
+        assert summary["finished"] is True and summary["completed_rounds"] == 2
+    flhc = "benchmarks/flhc/results/full/default/"
+    assert {f"{flhc}thresholds.json", f"{flhc}base/rounds.jsonl", f"{flhc}probe/summary.json"} <= set(names)
+    assert any(n.startswith(f"{flhc}l1_complete_") for n in names)  # the tiny grid's one branch
+    assert "benchmarks/oneshot/results/full/results.md" in names
+    assert "benchmarks/oneshot/results/full/oracle_hfl_shared_seed0/summary.json" in names
+    assert not any("checkpoint" in n or n.endswith("README.md") for n in names)

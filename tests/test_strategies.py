@@ -373,6 +373,20 @@ def test_no_update_in_clustering_round_postpones_clustering(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["clustering_round"] == 4
 
 
+def test_summary_keeps_round_one_beside_the_last_round(tmp_path):
+    """summary.json carries round 1's reading (DAC's pre-training level) per true cluster and over
+    clients, not the last round's, so a table can print both (issue #53)."""
+    strategy, manager, train = flhc(tmp_path, rounds=3), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
+    for rnd in range(1, 4):
+        # each round scores every client differently: round r gives 0.1 r + 0.05 g (g its true cluster)
+        synthetic_round(strategy, manager, rnd, train,
+                        evaluate=lambda pid, w, r=rnd: (0.5, {ACCURACY: 0.1 * r + 0.05 * GROUPS[pid]}))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["per_true_cluster_first_round_accuracy"] == pytest.approx({"0": 0.1, "1": 0.15, "2": 0.2})
+    assert summary["first_round_mean_client_accuracy"] == pytest.approx(0.15)
+    assert summary["per_true_cluster_accuracy"] == pytest.approx({"0": 0.3, "1": 0.35, "2": 0.4})
+
+
 def test_results_contract_files(tmp_path):
     strategy, manager, train = flhc(tmp_path, rounds=5), synthetic_grid(len(GROUPS)), group_trainer(GROUPS)
     for rnd in range(1, 6):

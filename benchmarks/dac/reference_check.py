@@ -212,10 +212,11 @@ def reference(record: Path) -> dict[str, Any]:
 
 
 def mean_std(values: list[float]) -> str:
+    """Mean ± sample std (ddof = 1; pages written before issue #53 printed the population std)."""
     values = [v for v in values if np.isfinite(v)]
     if not values:
         return "–"
-    return f"{np.mean(values):.1f}" if len(values) == 1 else f"{np.mean(values):.1f} ± {np.std(values):.1f}"
+    return f"{np.mean(values):.1f}" if len(values) == 1 else f"{np.mean(values):.1f} ± {np.std(values, ddof=1):.1f}"
 
 
 def report(args: argparse.Namespace, seeds: list[int]) -> str:
@@ -234,7 +235,8 @@ def report(args: argparse.Namespace, seeds: list[int]) -> str:
         f"{variant}{args.clients} clients ({'/'.join(map(str, cluster_sizes(args.clients)))} at 0/180/10/350°), {args.train} train + "
         f"100 validation images each, pretraining + {args.exchanges} exchanges. Test accuracy (%) of each client's "
         f"best-validation model on its cluster's rotated official test images (ours: {args.final_test} held by no "
-        "client; the reference's own final test on the first 2,000), mean per cluster, mean ± std over runs; "
+        "client; the reference's own final test on the first 2,000), mean per cluster, mean ± sample std "
+        "(ddof = 1) over runs; "
         "\"own metric\": ours on the clients' 50 local test images; own draws: the 180° clients' share of draws "
         "that went to the 180° cluster.\n",
         "| run | runs | " + " | ".join(CLUSTERS) + " | 180°, own metric | own draws (180°) | s / run |",

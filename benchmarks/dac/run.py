@@ -136,15 +136,15 @@ def main() -> None:
         f"`{command}` ({(time.perf_counter() - started) / 60:.0f} min for the runs not reused). Overrides of the conf "
         f"file: {SCALES[args.scale] or 'none'}; PENS selects for {PENS_SELECTION[args.scale]} exchanges. Test accuracy of "
         f"each client's best-validation model after {config.rounds} rounds, mean per true cluster (rotation, clients), "
-        "mean ± std over seeds. Draws in own cluster: the share of the "
+        "mean ± sample std (ddof = 1) over seeds. Draws in own cluster: the share of the "
         f"{names[different]} clients' neighbour draws that went to their own cluster (all rounds).\n",
         "| method | " + " | ".join(names) + " | mean client | purity of the similarity's clusters | draws in own cluster "
         f"({names[different]}) | s / round |",
         "|---|" + "---|" * (len(names) + 4),
     ]
     for method, summaries_m in summaries.items():
-        per_cluster = [mean_std([s["per_true_cluster_best_val_accuracy"].get(c) for s in summaries_m]) for c in clusters]
-        purity = "–" if method in ("local", "oracle_gossip") else mean_std([s["purity"] for s in summaries_m])
+        per_cluster = [mean_std([s["per_true_cluster_best_val_accuracy"].get(c) for s in summaries_m], ddof=1) for c in clusters]
+        purity = "–" if method in ("local", "oracle_gossip") else mean_std([s["purity"] for s in summaries_m], ddof=1)
         shares = []
         seconds = []
         for run_dir, summary in zip(runs[method], summaries_m):
@@ -152,9 +152,9 @@ def main() -> None:
             if (run_dir / "communication.npy").is_file():
                 shares.append(share_within(np.load(run_dir / "communication.npy"), true, different))
             seconds += [r["seconds"] for r in read_rounds(run_dir)]
-        share = mean_std(shares, 2) if shares else "–"
+        share = mean_std(shares, 2, ddof=1) if shares else "–"
         lines.append(f"| {method} | " + " | ".join(per_cluster)
-                     + f" | {mean_std([s['mean_best_val_accuracy'] for s in summaries_m])} | {purity} | {share} "
+                     + f" | {mean_std([s['mean_best_val_accuracy'] for s in summaries_m], ddof=1)} | {purity} | {share} "
                      f"| {np.mean(seconds):.1f} |")
     lines.append("\nThe purity of `local` and `oracle_gossip` is 1 by construction and left out. Heat maps of who "
                  "sampled whom (seed 0): " + ", ".join(f"`communication_{m}.png`" for m in methods if m != "local"))

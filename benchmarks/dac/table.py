@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.run_files import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
 from tables import TableRun, add_table_arguments, collapsed_clients, engine_label, main_loop, recorded_attempts  # noqa: E402
@@ -49,18 +50,33 @@ SETTINGS = {
     "rot4": ("dac_fmnist_rot4.yaml", ("dac", "random_gossip", "oracle_gossip", "pens", "local"), ()),
 }
 SEEDS = (0, 1, 2)
-# The paper's Fashion-MNIST numbers (Table 2, unequal clusters, 0/180/10/350 degrees), as our text
-# copy keeps them: cells lost in extraction are None. PENS's third value may be a later column.
+# What each setting's section says of its data (the counts are the partition's: train / validation / test per client)
+SETTING_NOTES = {
+    "rot_unequal_low": "Table 2's setting at the reference code's default size (`--n_data_train 100`, "
+                       "`--n_data_val 100`): 100 train / 100 validation / 100 test images per client.",
+    "rot_unequal": "Table 2 (the paper's 500 training and 100 validation images; 100 test): 500 / 100 / 100 "
+                   "images per client.",
+    "rot4": "Table 1's 4 x 25 setting: 500 / 100 / 100 images per client.",
+}
+# The paper's Fashion-MNIST numbers (Table 2, unequal clusters, 0/180/10/350 degrees, then its "Mean"), as our
+# text copy keeps them: cells lost in extraction are None. Its Mean is the unweighted mean of the four
+# clusters (DAC: (75.08 + 74.95 + 73.03 + 74.33) / 4 = 74.35, DAC-var 73.64 likewise), not over clients.
 PAPER = {
     "rot_unequal": {
-        "dac": (75.08, 74.95, 73.03, 74.33),
-        "dac_var": (74.48, 74.06, 72.58, 73.45),
-        "random_gossip": (73.14, 54.41, None, None),
-        "pens": (74.62, 42.03, None, None),
-        "oracle_gossip": (75.78, 76.39, 77.99, 77.77),
+        "dac": (75.08, 74.95, 73.03, 74.33, 74.35),
+        "dac_var": (74.48, 74.06, 72.58, 73.45, 73.64),
+        "random_gossip": (73.14, 54.41, None, None, None),
+        # The copy's row reads "74.62 | 42.03 | 65.91": a row keeps its surviving cells in order without the
+        # lost ones (CIFAR's PENS row "57.18 | 40.56 | 5.97" ends in its Std column, where DAC -'s full row
+        # has 4.14, the std of its four clusters), so 65.91 is a later column; as the Mean it puts 10 and 350
+        # degrees at 73.5 on average (4 x 65.91 - 74.62 - 42.03 = 146.99), beside PENS's own 74.62 on 0
+        # degrees and among DAC's and DAC-var's 10/350 cells (72.58-74.33).
+        "pens": (74.62, 42.03, None, None, 65.91),
+        "oracle_gossip": (75.78, 76.39, 77.99, 77.77, None),
     },
     "rot4": {},  # Table 1's Fashion-MNIST numbers are lost in our copy
 }
+PAPER_UNSURE = {("rot_unequal", "pens", 4)}  # placed by the reasoning above, not read from a column header
 
 
 def table_runs(rounds: int | None = None, extra: list[tuple[str, object]] | None = None) -> list[TableRun]:
@@ -79,12 +95,82 @@ def table_runs(rounds: int | None = None, extra: list[tuple[str, object]] | None
     return runs
 
 
-def _cell(values: list[float]) -> str:
+def cell(values: list[float]) -> str:
+    """Mean ± sample std (ddof = 1: the spread of the seeds as an estimate, as a paper reports it) in %;
+    one seed: its value; none: a dash."""
     if not values:
         return "–"
     if len(values) == 1:
         return f"{100 * values[0]:.2f}"
-    return f"{100 * np.mean(values):.2f} ± {100 * np.std(values):.2f}"
+    return f"{100 * np.mean(values):.2f} ± {100 * np.std(values, ddof=1):.2f}"
+
+
+# The three readings of a finished run, in the page's order: (key, label). ``best``: each client's model
+# with the lowest validation loss so far (the paper's model selection); ``last``: the clients' current
+# models at the last round; ``first``: round 1, after pre-training (local: its first round alone).
+READINGS = (("best", "best validation"), ("last", "current, round {rounds}"), ("first", "round 1 (pre-training)"))
+
+
+def readings(folder: Path, summary: dict) -> dict[str, tuple[dict[str, float], float]]:
+    """A finished run's readings (see ``READINGS``): key -> (mean per true cluster id, mean over clients)."""
+    first = summary.get("per_true_cluster_first_round_accuracy"), summary.get("first_round_mean_client_accuracy")
+    if first[0] is None:  # a copy made before summaries kept round 1 (#53): its row in rounds.jsonl
+        row = next(r for r in read_rounds(folder) if r["round"] == 1)
+        first = row["per_true_cluster_accuracy"], row["mean_client_accuracy"]
+    return {
+        "best": (summary["per_true_cluster_best_val_accuracy"], summary["mean_best_val_accuracy"]),
+        "last": (summary["per_true_cluster_accuracy"], summary["mean_client_accuracy"]),
+        "first": first,
+    }
+
+
+def wall_time(folder: Path, summary: dict) -> str:
+    """The run's own clock (summary.json ``wall_seconds``: every stretch up to its last checkpoint, carried
+    through each resume) and the part ``machine.json`` records (attempts the table command saw end)."""
+    attempts = recorded_attempts(folder)
+    recorded = sum(attempt["seconds"] for attempt in attempts)
+    starts = ", ".join(str(attempt["resumed_from_round"]) for attempt in attempts)
+    return f"{summary['wall_seconds'] / 3600:.1f} h ({recorded / 3600:.1f} h recorded, from round {starts or '–'})"
+
+
+def method_rows(results_dir: Path, setting: str, method: str, clusters: int) -> list[str]:
+    """The page's rows of one method: a reading per row, or one row of dashes before any seed is done."""
+    done = []
+    for seed in SEEDS:
+        folder = results_dir / f"{setting}_{method}_seed{seed}"
+        if (folder / "summary.json").is_file():
+            summary = json.loads((folder / "summary.json").read_text())
+            if summary.get("finished"):
+                done.append((seed, folder, summary))
+    if not done:
+        return [f"| {method} | – | | " + " | ".join(["–"] * (clusters + 2)) + " | – | – | – |"]
+    rounds = {summary["completed_rounds"] for _, _, summary in done}
+    seeds = ",".join(str(seed) for seed, _, _ in done)
+    per_run = [readings(folder, summary) for _, folder, summary in done]
+    rows = []
+    for key, label in READINGS:
+        by_cluster = [[run[key][0][str(k)] for run in per_run] for k in range(clusters)]
+        cluster_mean = [float(np.mean([run[key][0][str(k)] for k in range(clusters)])) for run in per_run]
+        cells = [cell(values) for values in by_cluster] + [cell(cluster_mean), cell([run[key][1] for run in per_run])]
+        if key == "best":
+            engines = sorted({engine_label(a) for _, folder, _ in done for a in recorded_attempts(folder)}) or ["–"]
+            extra = ["", ", ".join(engines), ", ".join(wall_time(folder, summary) for _, folder, summary in done)]
+            head = [method, seeds]
+        else:  # the collapsed clients are the last round's current models'
+            extra = [", ".join(str(len(collapsed_clients(folder))) for _, folder, _ in done) if key == "last" else "", "", ""]
+            head = ["", ""]
+        name = label.format(rounds=rounds.pop() if len(rounds) == 1 else "last") if key == "last" else label
+        rows.append("| " + " | ".join([*head, name, *cells, *extra]) + " |")
+    return rows
+
+
+def paper_row(setting: str, method: str) -> list[str]:
+    paper = PAPER.get(setting, {}).get(method)
+    if not paper:
+        return []
+    values = ["–" if v is None else f"{v:.2f}" + ("*" if (setting, method, i) in PAPER_UNSURE else "")
+              for i, v in enumerate(paper)]
+    return ["| *paper* | | | " + " | ".join(values) + " | | | | |"]
 
 
 def render(results_dir: Path) -> None:
@@ -92,41 +178,41 @@ def render(results_dir: Path) -> None:
     lines = [
         "# DAC (Zec et al.), Fashion-MNIST, full scale\n",
         "Written by `python benchmarks/dac/table.py` from the finished runs below (the command resumes; "
-        "see its docstring). Test accuracy (%) of each client's best-validation model after the last round, "
-        "mean per true cluster, mean ± std over the seeds done. Paper: the numbers our copy of the paper "
-        "keeps (– where extraction lost them). Collapsed clients: per seed, the clients whose last model is no "
-        "better than always answering their most common test label (a dead run has all 100). CIFAR-10 cannot run "
-        "here (no offline copy).\n",
+        "see its docstring). Test accuracy (%) per true cluster (the mean over its clients), three readings "
+        "of each run, one per row:\n",
+        "- **best validation**: each client's model with the lowest validation loss so far (the paper's model "
+        "selection; summary.json `per_true_cluster_best_val_accuracy`);",
+        "- **current, round N**: the clients' current models at the last round (summary.json "
+        "`per_true_cluster_accuracy`, the last row of rounds.jsonl);",
+        "- **round 1 (pre-training)**: round 1, after each client trained alone (local: its first round, the "
+        "same training); rounds.jsonl's first row (summary.json `per_true_cluster_first_round_accuracy` in runs "
+        "made since it has one). Best-validation selection keeps this model as a candidate (as the reference "
+        "code, which never resets its best validation loss), so the best-validation reading starts from it.\n",
+        "Several seeds: mean ± **sample** standard deviation (ddof = 1) over the seeds done; one seed: its value. "
+        "Mean of clusters: the unweighted mean of the four clusters, as the paper's Mean column; mean client: "
+        "over the 100 clients. Paper: the numbers our copy of the paper keeps (– where extraction lost them; "
+        "the paper does not say which reading its table is). \\* PENS's 65.91 is placed in the Mean column by "
+        "inference: see `PAPER` in `benchmarks/dac/table.py`. Collapsed clients: per seed, the clients whose "
+        "current model at the last round is no better than always answering their most common test label (a "
+        "dead run has all 100). Wall time per run: summary.json's `wall_seconds`, the run's own clock over every "
+        "stretch it ran up to its last checkpoint (about the sum of rounds.jsonl's per-round `seconds`); "
+        "\"recorded\": the sum of the attempts machine.json lists and the round each resumed from (the table "
+        "command appends an attempt when it ends, in a `finally`: rounds run by an attempt that never got there, "
+        "a process killed outright or another command, count in the run's clock but not in machine.json). "
+        "CIFAR-10 cannot run here (no offline copy).\n",
     ]
     for setting, (conf, methods, overrides) in SETTINGS.items():
         config, _ = load_config(ROOT / "conf" / conf, list(overrides))
         options = config.partition.options
         names = [f"{a:g}° ({n})" for a, n in zip(options.angles, options.cluster_sizes)]
-        lines += [f"\n## {setting} (`conf/{conf}`)\n",
-                  "| method | seeds | " + " | ".join(names) + " | mean client | collapsed clients | engine | wall time per run |",
-                  "|---|---|" + "---|" * (len(names) + 4)]
+        changed = ", ".join(f"`{key}={value}`" for key, value in overrides)
+        lines += [f"\n## {setting} (`conf/{conf}`{f' with {changed}' if changed else ''})\n",
+                  SETTING_NOTES[setting] + "\n",
+                  "| method | seeds | reading | " + " | ".join(names)
+                  + " | mean of clusters | mean client | collapsed clients | engine | wall time per run |",
+                  "|---|---|---|" + "---|" * (len(names) + 5)]
         for method in methods:
-            summaries, machines, collapsed = [], [], []
-            for seed in SEEDS:
-                folder = results_dir / f"{setting}_{method}_seed{seed}"
-                if (folder / "summary.json").is_file():
-                    summary = json.loads((folder / "summary.json").read_text())
-                    if summary.get("finished"):
-                        summaries.append((seed, summary))
-                        machines.append(recorded_attempts(folder))
-                        collapsed.append(len(collapsed_clients(folder)))
-            per_cluster = [_cell([s["per_true_cluster_best_val_accuracy"][str(k)] for _, s in summaries])
-                           for k in range(len(names))]
-            engines = sorted({engine_label(a) for m in machines for a in m}) or ["–"]
-            walls = ", ".join(f"{s['wall_seconds'] / 3600:.1f} h" for _, s in summaries) or "–"
-            lines.append(f"| {method} | {','.join(str(seed) for seed, _ in summaries) or '–'} | "
-                         + " | ".join(per_cluster)
-                         + f" | {_cell([s['mean_best_val_accuracy'] for _, s in summaries])}"
-                         + f" | {', '.join(map(str, collapsed)) or '–'} | {', '.join(engines)} | {walls} |")
-            paper = PAPER.get(setting, {}).get(method)
-            if paper:
-                lines.append(f"| *paper* | | " + " | ".join("–" if v is None else f"{v:.2f}" for v in paper)
-                             + " | | | | |")
+            lines += method_rows(results_dir, setting, method, len(names)) + paper_row(setting, method)
     (results_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 

@@ -1,8 +1,15 @@
-"""One command for a GPU machine's few minutes (issue #39): is the batched engine right on this card,
-how fast is a full-scale DAC round, then as much of the DAC table as the time allows.
+"""One command for a GPU machine's few minutes (issues #39, #53): is the batched engine right on this
+card, how fast is a full-scale DAC round, then as much of the paper tables' queued work as the time allows.
 
-    python benchmarks/device/run.py --out "$OUT" --budget 540          # on the GPU machine (see its README)
+    python benchmarks/device/run.py --out "$OUT" --budget 540          # on the GPU machine
     python benchmarks/device/run.py --device cpu --tiny --out /tmp/dry  # the CPU dry run (slow test tier)
+
+On a lent machine (no flwr there; ../shared/gpu/README.md): here ``bash ../shared/gpu/prepare.sh
+--with-fmnist`` writes ``.gpu/``; the device command, with ``.gpu`` carried and a timeout above the
+budget (600 s for 540), is ``bash .gpu/setup.sh && . TMP/gpu-env.sh && python3
+benchmarks/device/run.py --out "$OUT" --budget 540``. Back here: ``tar xzf results.tar.gz`` in the
+checkout, then ``python benchmarks/dac/table.py --render`` and ``python benchmarks/flhc/sweep.py
+conf/flhc_mnist_pathological.yaml --render``, and commit the copies with the pages.
 
 1. **Agreement** (``agreement.json``): a small digits case of DAC and of FL+HC on ``inprocess`` and on
    ``batched`` on the device, with ``simulation.deterministic`` off and on: the same decisions (DAC's
@@ -10,39 +17,64 @@ how fast is a full-scale DAC round, then as much of the DAC table as the time al
 2. **Timing** (``timing.json``): a full-scale DAC round (``conf/dac_fmnist_rot4.yaml``, 2 rounds:
    start-up + pretraining, then one exchange) on ``inprocess`` and ``batched``, side by side on the
    same card; the ratio is the claim.
-3. **The table** (``dac_full/``): ``benchmarks/dac/table.py`` on ``batched`` until the budget ends
-   (stopped with SIGTERM at its last checkpoint); every finished run's small files land in
-   ``$OUT/dac_full/`` as it ends, with the page.
+3. **The tables** (``QUEUE``, in this order, each on ``batched``, one step after the other until the
+   budget ends): DAC Table 2's runs at 500 images not yet committed (seeds 1-2); DAC's low-data
+   setting (``rot_unequal_low``) not yet committed; Briggs et al.'s Table IV grid
+   (``benchmarks/flhc/sweep.py`` on ``conf/flhc_mnist_pathological.yaml``: l1, l2, cosine with
+   complete linkage at K = 25, 75, 10, 50 and every client alone, then FedAvg); Ali & Arafa at the
+   conf's full length on Fashion-MNIST (``benchmarks/oneshot/run.py --training-rounds 28``, 6 seeds:
+   what that page calls full scale; the paper gives no rounds or sizes). A table stops at its last
+   checkpoint when the budget ends (SIGTERM).
 
-Each step writes its file as soon as it is done, so a machine taken back early still returns what
-finished. ``--tiny`` shrinks every step (the CPU dry run that keeps this script from rotting).
-Needs Fashion-MNIST under ``$FEDCLUSTER_DATA_DIR`` for steps 2-3.
+What comes back: ``$OUT`` returns at most 8 files, two folders deep, so the run folders (checkpoints)
+stay in ``--work`` and every finished run's small files are packed, as soon as the run ends, into
+``$OUT/results.tar.gz`` under their repository paths (``benchmarks/dac/results/full/<run>/...``; FL+HC's
+base, probe and thresholds too), rewritten whole each time (a new file, then renamed: a machine
+taken back early leaves the last complete archive). ``tar xzf results.tar.gz`` in the checkout puts
+them in place; then each table's ``--render`` rewrites its page. What is already committed is not run
+again: the DAC steps skip runs with a finished copy in ``benchmarks/dac/results/full/``, the sweep and
+the one-shot script start from copies of their committed folders. ``--tiny`` shrinks every step (the
+CPU dry run that keeps this script from rotting). Needs Fashion-MNIST and MNIST under
+``$FEDCLUSTER_DATA_DIR`` for steps 2-3.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FEDCLUSTER_SYNC_DEBUG", "warn")  # a host sync inside the stacked step loop is logged on a GPU
 
 from fedcluster_flwr.config import load_config, parse_override  # noqa: E402
 from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
+from tables import SMALL_FILES, StaleCopyError, kept_copy  # noqa: E402
 
 ACCURACY_TOLERANCE = 1e-3  # on a GPU the two engines' kernels differ more than on a CPU
 TINY_DAC = ("partition.num_clients=20", "partition.cluster_sizes=[5,5,5,5]", "partition.samples_per_client=60",
             "model.name=mlp_fmnist")
+# The dry run's table runs: the tables' own commands at sizes a CPU finishes in seconds (never their runs).
+TINY_TABLE = ("--rounds", "2", "--max-runs", "1", "--set", "model.name=mlp_fmnist", "--set", "partition.samples_per_client=14")
+TINY_SWEEP = ("rounds=4", "strategy.rounds_before_clustering=2", "partition.num_clients=8", "partition.num_groups=2",
+              "strategy.client_fraction=0.5")
+DAC_RESULTS = ROOT / "benchmarks" / "dac" / "results" / "full"
+FLHC_CONF = "flhc_mnist_pathological"
+STOP_GRACE_S = 60  # a table stopped with SIGTERM writes its checkpoint first; after this it is killed
 
 
 def configured(conf: str, *overrides: str):
@@ -50,7 +82,7 @@ def configured(conf: str, *overrides: str):
     return config
 
 
-def agreement(device: str, out: Path) -> dict:
+def agreement(device: str, work: Path) -> dict:
     cases = {"dac": ("strategy.name=dac", "rounds=4"),
              "flhc": ("strategy.name=flhc", "rounds=5", "strategy.rounds_before_clustering=2")}
     report = {}
@@ -58,7 +90,7 @@ def agreement(device: str, out: Path) -> dict:
         for case, overrides in cases.items():
             common = (*overrides, f"client.device={device}", f"simulation.deterministic={str(deterministic).lower()}")
             runs = {engine: run_in_process(configured("default.yaml", *common, f"simulation.engine={engine}"),
-                                           out / "agreement_runs" / f"{case}_{deterministic}_{engine}")
+                                           work / "agreement_runs" / f"{case}_{deterministic}_{engine}")
                     for engine in ("inprocess", "batched")}
             rows = {e: s.observer.recorder.rows for e, s in runs.items()}
             gap = max(abs(a - b) for ra, rb in zip(rows["inprocess"], rows["batched"])
@@ -72,32 +104,140 @@ def agreement(device: str, out: Path) -> dict:
     return report
 
 
-def timing(device: str, tiny: bool, out: Path) -> dict:
+def timing(device: str, tiny: bool, work: Path) -> dict:
     report = {}
     for engine in ("batched", "inprocess"):
         config = configured("dac_fmnist_rot4.yaml", "rounds=2", f"client.device={device}", f"simulation.engine={engine}",
                             *(TINY_DAC if tiny else ()))
         started = time.perf_counter()
-        run_in_process(config, out / "timing_runs" / engine)
-        rows = [json.loads(line) for line in (out / "timing_runs" / engine / "rounds.jsonl").read_text().splitlines()]
+        run_in_process(config, work / "timing_runs" / engine)
+        rows = [json.loads(line) for line in (work / "timing_runs" / engine / "rounds.jsonl").read_text().splitlines()]
         report[engine] = {"first_round_s": rows[0]["seconds"], "exchange_round_s": rows[1]["seconds"],
                           "wall_s": time.perf_counter() - started}
     report["batched_over_inprocess"] = report["batched"]["exchange_round_s"] / report["inprocess"]["exchange_round_s"]
     return report
 
 
-def table(device: str, tiny: bool, out: Path, seconds: float) -> int:
-    command = [sys.executable, str(ROOT / "benchmarks" / "dac" / "table.py"), "--engine", "batched", "--workers", "1",
-               "--runs-dir", str(out / "dac_runs"), "--results-dir", str(out / "dac_full"), "--set", f"client.device={device}"]
+@dataclass
+class Step:
+    """One queued table: its command, the folder it writes finished runs' small files to (``results``),
+    and where they go in the repository (``dest``). ``runs``: the subfolder of ``results`` that holds
+    run folders (the one-shot script's ``runs/``); ``shared``: folders packed finished or not (the
+    sweep's base and probe); ``files``: top-level files packed (the sweep's thresholds)."""
+
+    name: str
+    command: list[str]
+    results: Path
+    dest: str
+    runs: str = ""
+    shared: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    seed_from: Path | None = None  # a committed folder copied into ``results`` first: its runs are not redone
+
+
+def not_committed(setting: str) -> list[str]:
+    """DAC's runs of ``setting`` (the table's own configs) with no finished copy in the repository."""
+    spec = importlib.util.spec_from_file_location("dac_table", ROOT / "benchmarks" / "dac" / "table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    names = []
+    for run in table.table_runs():
+        if run.labels["setting"] != setting:
+            continue
+        try:
+            if kept_copy(run, DAC_RESULTS) is not None:
+                continue
+        except StaleCopyError as stale:  # a copy made with another config: run it again, the session compares
+            print(f"{run.name}: {stale}", flush=True)
+        names.append(run.name)
+    return names
+
+
+def queue(tiny: bool, work: Path) -> list[Step]:
+    """The table work, in the order issue #53 gives it (see the module docstring)."""
+    python = sys.executable
+    steps = []
+    for name, setting in (("dac_table2", "rot_unequal"), ("dac_low", "rot_unequal_low")):
+        only = not_committed(setting)
+        if not only:
+            continue
+        command = [python, str(ROOT / "benchmarks" / "dac" / "table.py"), "--engine", "batched", "--workers", "1",
+                   "--runs-dir", str(work / "dac_runs"), "--results-dir", str(work / name), "--only", ",".join(only),
+                   *(TINY_TABLE if tiny else ())]
+        steps.append(Step(name, command, work / name, "benchmarks/dac/results/full"))
+    sweep_conf = "default.yaml" if tiny else f"{FLHC_CONF}.yaml"
+    committed = ROOT / "benchmarks" / "flhc" / "results" / "full" / Path(sweep_conf).stem
+    sweep = [python, str(ROOT / "benchmarks" / "flhc" / "sweep.py"), str(ROOT / "conf" / sweep_conf), "--engine", "batched",
+             "--workers", "1", "--runs-dir", str(work / "flhc_runs"), "--results-dir", str(work / "flhc"),
+             "--set", "simulation.deterministic=true"]  # a GPU base repeats bit for bit: later leases keep its branches
     if tiny:
-        command += ["--rounds", "2", "--only", "rot_unequal_dac_seed0", "--set", "model.name=mlp_fmnist",
-                    "--set", "partition.samples_per_client=14"]
-    process = subprocess.Popen(command, cwd=ROOT)
+        sweep += ["--methods", "l1/complete", "--clusters", "2", "--baselines", ""]
+        sweep += [arg for item in TINY_SWEEP for arg in ("--set", item)]
+    else:
+        sweep += ["--methods", "l1/complete", "l2/complete", "cosine/complete", "--clusters", "25,75,10,50,100"]
+    steps.append(Step("flhc_grid", sweep, work / "flhc", f"benchmarks/flhc/results/full/{Path(sweep_conf).stem}",
+                      shared=("base", "probe"), files=("thresholds.json",),
+                      seed_from=committed if committed.is_dir() and not tiny else None))
+    oneshot = [python, str(ROOT / "benchmarks" / "oneshot" / "run.py"), "--engine", "batched",
+               "--out", str(work / "oneshot"), *(("--seeds", "0", "--training-rounds", "1") if tiny else ("--training-rounds", "28"))]
+    steps.append(Step("oneshot_full", oneshot, work / "oneshot", "benchmarks/oneshot/results/full", runs="runs",
+                      files=("results.md", "curves.png", "k_sweep.png"),
+                      seed_from=ROOT / "benchmarks" / "oneshot" / "results" / "full" if not tiny else None))
+    return steps
+
+
+def finished(folder: Path) -> bool:
     try:
-        return process.wait(timeout=max(seconds, 1))
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)  # the table stops at its last checkpoint
-        return process.wait()
+        return json.loads((folder / "summary.json").read_text()).get("finished") is True
+    except (OSError, ValueError):
+        return False
+
+
+def pack(steps: list[Step], out: Path, since: float) -> list[str]:
+    """Write ``out/results.tar.gz`` with what the steps made since ``since`` (a copy seeded from the
+    repository keeps its old times and is left out); return the run folders packed."""
+    members: dict[str, Path] = {}
+    for step in steps:
+        if not step.results.is_dir():
+            continue
+        for name in step.files:
+            path = step.results / name
+            if path.is_file() and path.stat().st_mtime >= since:
+                members[f"{step.dest}/{name}"] = path
+        for folder in sorted(p for p in (step.results / step.runs).glob("*") if p.is_dir()):
+            if not (finished(folder) or folder.name in step.shared):
+                continue
+            for name in SMALL_FILES:
+                path = folder / name
+                if path.is_file() and path.stat().st_mtime >= since:
+                    members[f"{step.dest}/{folder.name}/{name}"] = path
+    partial = out / "results.tar.gz.partial"  # not a name that comes back, nor one tar would read
+    with tarfile.open(partial, "w:gz") as archive:
+        for arcname, path in sorted(members.items()):
+            archive.add(path, arcname=arcname)
+    os.replace(partial, out / "results.tar.gz")
+    return sorted({arcname.rsplit("/", 1)[0] for arcname in members})
+
+
+def run_step(step: Step, deadline: float, steps: list[Step], out: Path, since: float) -> int:
+    """Run one queued table until it ends or the deadline, packing every few seconds."""
+    if step.seed_from is not None and step.seed_from.is_dir():
+        shutil.copytree(step.seed_from, step.results, dirs_exist_ok=True)  # copy2: their times stay old
+        if step.runs:  # the one-shot script reads its finished runs under runs/
+            for folder in [p for p in step.results.iterdir() if p.is_dir() and p.name != step.runs]:
+                shutil.move(str(folder), str(step.results / step.runs / folder.name))
+    print(f"{step.name}: {' '.join(step.command[1:])}", flush=True)
+    process = subprocess.Popen(step.command, cwd=ROOT)
+    while process.poll() is None and time.time() < deadline:
+        time.sleep(5)
+        pack(steps, out, since)
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)  # a table stops at its last checkpoint
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
 
 
 def main() -> int:
@@ -106,15 +246,27 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="small sizes everywhere (the CPU dry run)")
     parser.add_argument("--budget", type=float, default=540, help="seconds for all three steps")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device_out")))
+    parser.add_argument("--work", type=Path, default=None,
+                        help="run folders (checkpoints: never under --out); default a new temporary folder")
     args = parser.parse_args()
-    started = time.perf_counter()
+    started, since = time.perf_counter(), time.time()
+    deadline = since + args.budget - STOP_GRACE_S  # leaves a stopped table time to checkpoint and the archive to close
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "agreement.json").write_text(json.dumps(agreed := agreement(args.device, args.out), indent=1))
+    work = args.work or Path(tempfile.mkdtemp(prefix="fedcluster-device-"))
+    (args.out / "agreement.json").write_text(json.dumps(agreed := agreement(args.device, work), indent=1))
     print(json.dumps(agreed, indent=1), flush=True)
-    (args.out / "timing.json").write_text(json.dumps(timed := timing(args.device, args.tiny, args.out), indent=1))
+    (args.out / "timing.json").write_text(json.dumps(timed := timing(args.device, args.tiny, work), indent=1))
     print(json.dumps(timed, indent=1), flush=True)
-    code = table(args.device, args.tiny, args.out, args.budget - (time.perf_counter() - started))
-    print(f"table command exited {code}; {time.perf_counter() - started:.0f} s in all", flush=True)
+    steps = queue(args.tiny, work)
+    report = {}
+    for step in steps:
+        if time.time() >= deadline:
+            report[step.name] = "not started: budget spent"
+            continue
+        report[step.name] = f"exited {run_step(step, deadline, steps, args.out, since)}"
+    report["packed"] = pack(steps, args.out, since)
+    (args.out / "tables.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1), f"\n{time.perf_counter() - started:.0f} s in all", flush=True)
     return 0 if all(case["ok"] for case in agreed.values()) else 1
 
 

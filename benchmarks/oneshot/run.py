@@ -4,6 +4,7 @@ with the client's own eigenvalue) against Amiri et al.'s; and the clustering vs 
 
     python benchmarks/oneshot/run.py                     # Fashion-MNIST 3 tasks, seeds 0-5
     python benchmarks/oneshot/run.py --seeds 0,1,2,3,4,5,6,7,8,9 --training-rounds 28
+    python benchmarks/oneshot/run.py --training-rounds 28 --engine batched   # a GPU machine without Ray
 
 Needs Fashion-MNIST under $FEDCLUSTER_DATA_DIR. Everything on conf/oneshot_fmnist_3tasks.yaml, each
 seed its own partition and initial model:
@@ -14,7 +15,7 @@ seed its own partition and initial model:
   clusters;
 * the one-shot phase through Flower's Ray engine under both rules (``strategy.relevance``): R, the
   clusters and the bytes the clients sent (the paper's users send no eigenvalues);
-* training through Flower's Ray engine: oneshot_hfl (the paper's rule), random_clusters and
+* training through Flower's Ray engine (``--engine``: another, named on the page): oneshot_hfl (the paper's rule), random_clusters and
   oracle_hfl, each with the conf's shared layers and with none (independent LPS models), for the
   same number of training rounds (oneshot_hfl runs two more: its one-shot phase); per task the
   accuracy curves' mean and spread over the seeds (the paper's Figs. 2-3: "lower variance" with its
@@ -51,7 +52,7 @@ from fedcluster_flwr.algorithms.oneshot.tasks import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import mean_std, run_or_reuse  # noqa: E402
+from common import ENGINES, mean_std, run_or_reuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "oneshot_fmnist_3tasks.yaml"
@@ -143,7 +144,8 @@ def run_dir(out: Path, method: str, shared: bool, seed: int, relevance: str | No
     return out / "runs" / f"{method}{rule}_{'shared' if shared else 'independent'}_seed{seed}"
 
 
-def train(method: str, shared: bool, seed: int, training_rounds: int, out: Path, relevance: str | None = None) -> dict:
+def train(method: str, shared: bool, seed: int, training_rounds: int, out: Path, relevance: str | None = None,
+          engine: str | None = None) -> dict:
     rounds = training_rounds + (2 if method == "oneshot_hfl" else 0)
     items: dict[str, object] = {"seed": seed, "rounds": rounds, "strategy.name": method}
     if relevance is not None:
@@ -151,7 +153,7 @@ def train(method: str, shared: bool, seed: int, training_rounds: int, out: Path,
     if not shared:
         items["strategy.shared_layers"] = []
     config, _ = load_config(CONF, list(items.items()))
-    return run_or_reuse(config, run_dir(out, method, shared, seed, relevance))
+    return run_or_reuse(config, run_dir(out, method, shared, seed, relevance), engine)
 
 
 def task_curves(out: Path, method: str, seeds: list[int], training_rounds: int) -> dict[str, np.ndarray]:
@@ -198,6 +200,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2,3,4,5")
     parser.add_argument("--training-rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "fmnist_3tasks")
+    parser.add_argument("--engine", choices=ENGINES, default=None,
+                        help="how the training runs execute (default: the conf's, Ray); a GPU machine without Ray: batched")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -206,8 +210,8 @@ def main() -> None:
     sweeps = [clustering_vs_k(seed, KS) for seed in seeds]
     plot_k_sweep(sweeps, KS, args.out / "k_sweep.png")
     # the one-shot phase alone (and one LPS round) under Amiri's rule; the paper's is in the training runs
-    amiri = [train("oneshot_hfl", True, seed, 1, args.out, relevance="amiri") for seed in seeds]
-    summaries = {(m, shared): [train(m, shared, seed, args.training_rounds, args.out) for seed in seeds]
+    amiri = [train("oneshot_hfl", True, seed, 1, args.out, relevance="amiri", engine=args.engine) for seed in seeds]
+    summaries = {(m, shared): [train(m, shared, seed, args.training_rounds, args.out, engine=args.engine) for seed in seeds]
                  for m in METHODS for shared in (True, False)}
     oneshot = {"paper": summaries[("oneshot_hfl", True)], "amiri": amiri}
     curves = {m: task_curves(args.out, m, seeds, args.training_rounds) for m in METHODS}
@@ -221,7 +225,8 @@ def main() -> None:
         f"`conf/oneshot_fmnist_3tasks.yaml`, Φ = identity (standardised pixels), mean ± std over seeds {args.seeds}.\n",
         "## Clustering (k = 5 eigenvectors): the paper's relevance rule vs Amiri et al.'s vs random clusters\n",
         "`paper`: eq. 3 compares ‖G_i v_k^(j)‖ with client i's own k-th eigenvalue; `amiri`: with client j's. "
-        "From the one-shot rounds of the Ray runs; bytes are the one-shot phase's, all clients, serialized as Flower sends them.\n",
+        f"From the one-shot rounds of the {'Ray' if (args.engine or 'ray') == 'ray' else args.engine} runs; bytes are "
+        "the one-shot phase's, all clients, serialized as Flower sends them.\n",
         "| clustering | purity | ARI | seeds with a perfect clustering | mean R within tasks | mean R across tasks | bytes up | bytes down |",
         "|---|---|---|---|---|---|---|---|",
     ]

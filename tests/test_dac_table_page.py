@@ -1,0 +1,127 @@
+"""The DAC table's page (benchmarks/dac/table.py ``render``) from committed copies: three readings of
+each run (best validation, the last round's current models, round 1), mean ± the *sample* std over
+seeds, the pre-training level read from rounds.jsonl where a summary predates it (issue #53).
+Nothing runs: the copies are written here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("dac_table", ROOT / "benchmarks" / "dac" / "table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def per_cluster(*values: float) -> dict[str, float]:
+    return {str(k): v for k, v in enumerate(values)}
+
+
+def write_copy(results, name, *, best, last, first, first_in_summary=False, wall=3600.0, attempts=((0, 1800.0),)):
+    """A finished run's committed small files: ``best``, ``last``, ``first`` are per-cluster accuracies
+    (the mean over clients is taken as their mean); round 1's goes into rounds.jsonl, and into the
+    summary too when ``first_in_summary`` (runs made since summaries carry it)."""
+    folder = results / name
+    folder.mkdir(parents=True)
+    summary = {
+        "finished": True, "completed_rounds": 101, "wall_seconds": wall, "clients_no_better_than_majority": [7],
+        "per_true_cluster_best_val_accuracy": per_cluster(*best), "mean_best_val_accuracy": float(np.mean(best)),
+        "per_true_cluster_accuracy": per_cluster(*last), "mean_client_accuracy": float(np.mean(last)),
+    }
+    if first_in_summary:
+        summary |= {"per_true_cluster_first_round_accuracy": per_cluster(*first),
+                    "first_round_mean_client_accuracy": float(np.mean(first))}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    rows = [{"round": 1, "phase": "pretrain", "per_true_cluster_accuracy": per_cluster(*first),
+             "mean_client_accuracy": float(np.mean(first))},
+            {"round": 101, "phase": "dac", "per_true_cluster_accuracy": per_cluster(*last),
+             "mean_client_accuracy": float(np.mean(last))}]
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    machine = [{"engine": "batched", "device": "cpu", "seconds": seconds, "resumed_from_round": start}
+               for start, seconds in attempts]
+    (folder / "machine.json").write_text(json.dumps({"attempts": machine}))
+
+
+def rows_of(page: str, method: str) -> list[list[str]]:
+    """The page's rows of ``method`` in the rot_unequal section: its own, the unnamed rows after it and
+    the paper's."""
+    section = page.split("\n## rot_unequal (")[1].split("\n## ")[0]
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+    start = next(i for i, cells in enumerate(lines) if cells[0] == method)
+    rows = [lines[start]]
+    for cells in lines[start + 1:]:
+        if cells[0] not in ("", "*paper*"):
+            break
+        rows.append(cells)
+    return rows
+
+
+def test_cell_is_mean_and_sample_std_or_the_single_value(table):
+    assert table.cell([]) == "–"
+    assert table.cell([0.7512]) == "75.12"
+    # 0.70 and 0.80: population std 5.00, sample std 7.07
+    assert table.cell([0.70, 0.80]) == "75.00 ± 7.07"
+
+
+def test_page_shows_three_readings_per_method_with_sample_std(table, tmp_path):
+    results = tmp_path / "full"
+    write_copy(results, "rot_unequal_dac_seed0", best=(0.80, 0.78, 0.76, 0.74), last=(0.72, 0.74, 0.66, 0.68),
+               first=(0.70, 0.68, 0.73, 0.69), first_in_summary=True, wall=7200.0, attempts=((0, 1800.0), (80, 1800.0)))
+    write_copy(results, "rot_unequal_dac_seed1", best=(0.82, 0.80, 0.78, 0.76), last=(0.74, 0.70, 0.68, 0.70),
+               first=(0.72, 0.66, 0.75, 0.71))  # a copy from before summaries kept round 1
+    table.render(results)
+    page = (results / "README.md").read_text()
+    assert "sample** standard deviation (ddof = 1)" in page
+    best, last, first = rows_of(page, "dac")[:3]
+    assert best[:3] == ["dac", "0,1", "best validation"]
+    assert best[3:8] == ["81.00 ± 1.41", "79.00 ± 1.41", "77.00 ± 1.41", "75.00 ± 1.41", "78.00 ± 1.41"]
+    assert last[2] == "current, round 101"
+    assert last[3:7] == ["73.00 ± 1.41", "72.00 ± 2.83", "67.00 ± 1.41", "69.00 ± 1.41"]
+    assert last[9] == "1, 1"  # each seed's collapsed clients, on the current models' row
+    assert first[2] == "round 1 (pre-training)"
+    # seed 0 from its summary, seed 1 from its rounds.jsonl: both counted
+    assert first[3:7] == ["71.00 ± 1.41", "67.00 ± 1.41", "74.00 ± 1.41", "70.00 ± 1.41"]
+    assert best[11] == "2.0 h (1.0 h recorded, from round 0, 80), 1.0 h (0.5 h recorded, from round 0)"
+    assert rows_of(page, "dac")[3][0] == "*paper*"
+
+
+def test_one_seed_prints_its_values_and_unfinished_methods_a_dash(table, tmp_path):
+    results = tmp_path / "full"
+    write_copy(results, "rot_unequal_pens_seed0", best=(0.7949, 0.7575, 0.792, 0.778),
+               last=(0.7409, 0.5805, 0.696, 0.708), first=(0.705, 0.686, 0.734, 0.70))
+    table.render(results)
+    page = (results / "README.md").read_text()
+    best, last, first, paper = rows_of(page, "pens")
+    assert best[3:5] == ["79.49", "75.75"] and last[3:5] == ["74.09", "58.05"] and first[3:5] == ["70.50", "68.60"]
+    assert paper[3:8] == ["74.62", "42.03", "–", "–", "65.91*"]
+    assert rows_of(page, "local")[0][1:4] == ["–", "", "–"]
+    # the low-data setting has its own section, before any of its runs finished
+    assert "## rot_unequal_low (" in page and "100 train / 100 validation / 100 test" in page
+
+
+def test_the_reduced_and_reference_pages_print_the_sample_std():
+    """benchmarks/dac/run.py and reference_check.py: ± is the sample std from issue #53 on; the shared
+    helper keeps the population std for the other benchmarks' pages unless asked."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import mean_std
+
+    spec = importlib.util.spec_from_file_location("dac_reference_check", ROOT / "benchmarks" / "dac" / "reference_check.py")
+    reference_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference_check)
+    # the reference page's every-run table: DAC, ours, synchronous, 180 degrees, seeds 0-2
+    assert reference_check.mean_std([65.2, 67.4, 66.3]) == "66.3 ± 1.1"  # population std: 0.9, as the page printed
+    assert reference_check.mean_std([65.2]) == "65.2"
+    assert mean_std([0.70, 0.80], ddof=1) == "0.750 ± 0.071"
+    assert mean_std([0.70, 0.80]) == "0.750 ± 0.050"  # the default: population
+    assert mean_std([0.70, None], ddof=1) == "0.700 (1/2)"
