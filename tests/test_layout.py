@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -138,3 +141,15 @@ def test_no_filter_hides_flowers_deprecation_notices():
     """Flower says DEPRECATED FEATURE where the package still uses one (run_simulation, docs/how-to/flwr-run.md):
     the notice is shown, not filtered."""
     assert not [p for p in PACKAGE.rglob("*.py") if "DEPRECATED" in p.read_text()]
+
+
+def test_a_fedcluster_run_loads_no_superlink_code():
+    """The engine process (fedcluster run's Ray, inprocess and batched routes) does not import Flower's
+    SuperLink, which loads SQLAlchemy: ~0.8 s of every run's start-up on a 2-core machine (issue #52's
+    timing found it; only the `flwr run` route's check of its grid needs the SuperLink's InMemoryGrid)."""
+    probe = ("import sys, fedcluster_flwr.engine_process, fedcluster_flwr.apps.server_app, "
+             "fedcluster_flwr.apps.client_app, fedcluster_flwr.engines.inprocess; "
+             "print(sorted(m for m in sys.modules if m.startswith(('flwr.superlink', 'sqlalchemy'))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

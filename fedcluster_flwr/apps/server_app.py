@@ -40,7 +40,6 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
-from flwr.superlink.grid import InMemoryGrid
 
 from ..algorithms.base import ClusteredStrategy, StrategySetup
 from ..algorithms.base.directory import Federation
@@ -294,6 +293,9 @@ def runs_here(grid: Grid, config: ExperimentConfig) -> bool:
     engine = config.simulation.engine
     if engine == "ray":
         return False
+    # Imported here: flwr.superlink loads SQLAlchemy, ~0.8 s that no `fedcluster run` needs.
+    from flwr.superlink.grid import InMemoryGrid
+
     if isinstance(grid, InMemoryGrid):
         return True
     raise ConfigError(
