@@ -3,6 +3,7 @@
     python benchmarks/overhead/run.py                    # 5 repetitions of a2 a1 b c d e, interleaved
     python benchmarks/overhead/run.py --repetitions 1 --set client.epochs=1   # a quick look
     python benchmarks/overhead/run.py --vs ../before     # b c d e also from a checkout of another commit
+    python benchmarks/overhead/run.py --vs ../before --vs-variants b,d,e   # c only from this one
 
 One round's work of Briggs et al.'s paper-scale setting (conf/flhc_mnist_label_swap.yaml with
 ``strategy.name=fedavg``: 100 clients of 600 MNIST training and 100 test samples, ``cnn_briggs``,
@@ -605,6 +606,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--vs", type=Path, default=None,
                         help="a checkout of another commit: b, c, d and e also run from it (b@vs ...), interleaved")
+    parser.add_argument("--vs-variants", default="b,c,d,e",
+                        help="which of b, c, d, e run from the --vs checkout too (one its own worker cannot run is left out)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (all variants)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
@@ -625,7 +628,8 @@ def main() -> None:
         if not (args.vs / "benchmarks" / "overhead" / "run.py").is_file():
             parser.error(f"--vs {args.vs}: not a checkout of this project (no benchmarks/overhead/run.py)")
         args.vs = args.vs.resolve()
-        args.variants = [w for v in args.variants for w in ((v, v + VS) if v in VARIANT_WORKER else (v,))]  # side by side
+        paired = set(args.vs_variants.split(",")) & set(VARIANT_WORKER)
+        args.variants = [w for v in args.variants for w in ((v, v + VS) if v in paired else (v,))]  # side by side
     unknown = {v.removesuffix(VS) for v in args.variants} - set(VARIANTS)
     if unknown or args.rounds < 2 or args.inprocess_rounds < 2:
         parser.error(f"variants are {', '.join(VARIANTS)}; --rounds and --inprocess-rounds must be >= 2")
