@@ -20,11 +20,13 @@ The handlers of each algorithm family's own tasks are in that family's package
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from . import protocol, registry
@@ -79,6 +81,61 @@ class TaskOutput:
     metrics: Mapping[str, Scalar] = field(default_factory=dict)
 
 
+STATE_PREFIX = "fedcluster."  # our entries of a node's Context.state (Flower's mods may keep their own there)
+
+
+class ClientState:
+    """What one client keeps on its node between messages (a personal model, a counter): named lists
+    of arrays and named scalars in Flower's ``Context.state`` of the node. On a device it never
+    leaves the device; in simulation every engine keeps it per client and a run's checkpoint holds
+    it (:func:`kept_state`), so a resumed run continues it. A handler reads and writes only the
+    entries its task declares (``Task.state``): anything else is a programming error, named."""
+
+    def __init__(self, records: RecordDict | None = None, declared: Sequence[str] = (), task: str = "") -> None:
+        self.records = RecordDict() if records is None else records
+        self.declared, self.task = tuple(declared), task
+
+    def _key(self, name: str) -> str:
+        if name not in self.declared:
+            raise protocol.ProtocolError(f"task {self.task!r} keeps no client state {name!r} (it declares "
+                                         f"{', '.join(map(repr, self.declared)) or 'none'}: Task(state=...))")
+        return STATE_PREFIX + name
+
+    def arrays(self, name: str) -> NDArrays | None:
+        """The arrays kept as ``name`` (None before the first time they are kept)."""
+        record = self.records.array_records.get(self._key(name))
+        return None if record is None else protocol.record_arrays(record)
+
+    def set_arrays(self, name: str, arrays: NDArrays) -> None:
+        self.records[self._key(name)] = protocol.array_record(arrays)
+
+    def scalars(self, name: str) -> dict[str, Scalar] | None:
+        """The scalars kept as ``name`` (None before the first time)."""
+        record = self.records.config_records.get(self._key(name))
+        return None if record is None else dict(record)
+
+    def set_scalars(self, name: str, values: Mapping[str, Scalar]) -> None:
+        self.records[self._key(name)] = ConfigRecord(dict(values))
+
+
+def kept_state(records: RecordDict) -> dict[str, Any]:
+    """Every entry our handlers keep in a node's state, by name: arrays as lists, scalars as dicts
+    (what a checkpoint holds of a client)."""
+    kept: dict[str, Any] = {}
+    for key, record in records.items():
+        if key.startswith(STATE_PREFIX):
+            name = key[len(STATE_PREFIX):]
+            kept[name] = protocol.record_arrays(record) if isinstance(record, ArrayRecord) else dict(record)
+    return kept
+
+
+def restore_kept_state(records: RecordDict, kept: Mapping[str, Any]) -> None:
+    """Put a checkpoint's entries (:func:`kept_state`'s) back into a node's state."""
+    for name, value in kept.items():
+        records[STATE_PREFIX + name] = ConfigRecord(dict(value)) if isinstance(value, Mapping) \
+            else protocol.array_record([np.asarray(a) for a in value])
+
+
 def round_seed(seed: int, server_round: int, pid: int, *stream: int) -> int:
     """Independent, reproducible seed for one client's training in one round; a ``stream`` number
     keeps another use of randomness in that round (e.g. a selection mini-batch) apart from it."""
@@ -111,6 +168,7 @@ class ClusterClient:
         self.fail_rounds = fail_rounds
         self.faults = faults
         self.compute = compute  # how its torch work runs: alone, or with the round's others (batched engine)
+        self.state = ClientState()  # what it keeps on its node: the ClientApp gives it the node's, per message
         self._parameter_names: list[str] | None = None
 
     def identity(self) -> dict[str, int]:
@@ -158,13 +216,28 @@ class ClusterClient:
         return model
 
     def train_model(
-        self, model: nn.Module, server_round: int, epochs: int | None = None, objective: Objective = PLAIN
+        self,
+        model: nn.Module,
+        server_round: int,
+        epochs: int | None = None,
+        objective: Objective = PLAIN,
+        *,
+        anchors: Mapping[str, NDArrays] | None = None,
+        lr: float | None = None,
+        stream: int = 0,
     ) -> float:
-        """Local training of ``model`` on ``objective`` with this round's seed (for ``epochs``,
-        default the client's own ``client.epochs``); returns the mean batch loss."""
-        generator = torch.Generator().manual_seed(round_seed(self.seed, server_round, self.pid))
-        settings = self.settings if epochs is None else replace(self.settings, epochs=epochs)
-        return self.compute.train(model, self.data.x_train, self.data.y_train, settings, generator, self.device, objective)
+        """Local training of ``model`` on ``objective``; returns the mean batch loss.
+
+        ``epochs`` and ``lr`` replace the client's own (``client.epochs``, ``client.lr``) for this
+        training; ``anchors`` are the named models the objective's terms pull towards besides the
+        training's start (e.g. ``{"global": the model the server sent}``). The batch order comes from
+        the round's seed stream ``stream`` (0, the round's own: what every single training uses; a
+        handler that trains twice gives each training that should see its own order its own number)."""
+        generator = torch.Generator().manual_seed(round_seed(self.seed, server_round, self.pid, *((stream,) if stream else ())))
+        changes = {key: value for key, value in (("epochs", epochs), ("lr", lr)) if value is not None}
+        settings = replace(self.settings, **changes) if changes else self.settings
+        return self.compute.train(model, self.data.x_train, self.data.y_train, settings, generator, self.device,
+                                  objective, anchors)
 
     def evaluate_model(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""

@@ -1,6 +1,9 @@
-"""A speed-up of Flower's simulation engine that changes none of its results, installed by
-:func:`fedcluster_flwr.engine_process.simulate` (``fedcluster run``).
+"""Two additions to Flower's simulation engine that change none of its results, installed by
+:func:`fedcluster_flwr.engine_process.simulate` (``fedcluster run``): a speed-up of its message loop,
+and a look at the nodes' contexts (:func:`node_states`), so that a run's checkpoint holds what the
+clients keep on their nodes, as it does on the in-process engines.
 
+**The speed-up.**
 Flower's Ray engine (``flwr.server.superlink.fleet.vce.vce_api``, flwr 1.41) hands messages to its
 actors from a thread that, every 0.1 s, asks the link state for one waiting message *per node*;
 the in-memory link state answers each question by scanning every stored message (the ones in
@@ -13,8 +16,16 @@ from the cores the clients train on. :func:`add_messages_to_queue` asks only the
 a message waiting, in the same order, with the same call, so every message is delivered as
 before; finding them is one pass over the store.
 
-:func:`install` replaces Flower's function only where it is still the one described here (same
-module, same signature) and the state has the store it reads; elsewhere Flower runs unchanged.
+**The nodes' contexts.** Flower's engine keeps each simulated node's ``Context`` (its ``state``
+included, what a ClientApp keeps between messages) in the stores ``vce_api._register_node_info_stores``
+makes when the simulation starts, in this process, and replaces a node's context with the one its
+actor returns after each message. :func:`install` wraps that function to note the stores;
+:func:`node_states` then reads each node's current ``state`` (a checkpoint's snapshot), or hands it
+to be written before the first message (a resumed run's clients).
+
+:func:`install` replaces or wraps Flower's functions only where they are still the ones described
+here (same module, same signature) and the state has the store it reads; elsewhere Flower runs
+unchanged (and no client state is checkpointed under Ray, which the run says).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from queue import Queue
 from typing import Any
 
 FLOWER_SIGNATURE = ("state", "queue", "nodes_mapping", "f_stop")
+REGISTER_SIGNATURE = ("nodes_mapping", "run", "app_dir")
 
 
 def waiting_nodes(state: Any, nodes: Iterable[int]) -> list[int]:
@@ -50,11 +62,46 @@ def add_messages_to_queue(state: Any, queue: Queue, nodes_mapping: Mapping[int, 
         f_stop.wait(0.1)
 
 
-def install() -> bool:
-    """Use :func:`add_messages_to_queue` in Flower's simulation engine; False (nothing changed)
-    if this Flower's engine is not the one it was written for."""
+_stores: dict[int, Any] = {}  # node id -> Flower's store of that node's contexts, for the simulation under way
+_registered = threading.Event()
+
+
+def _noting_stores(register: Any) -> Any:
+    def register_and_note(*args: Any, **kwargs: Any) -> Any:
+        stores = register(*args, **kwargs)
+        _stores.clear()
+        _stores.update(stores)
+        _registered.set()
+        return stores
+
+    register_and_note.noting = True  # type: ignore[attr-defined]
+    return register_and_note
+
+
+def noting_node_states() -> bool:
+    """Whether :func:`install` wrapped this process's simulation engine to note its nodes' stores."""
     from flwr.server.superlink.fleet.vce import vce_api
 
+    return getattr(getattr(vce_api, "_register_node_info_stores", None), "noting", False)
+
+
+def node_states(run_id: int, wait_s: float = 60.0) -> dict[int, Any] | None:
+    """Each simulated node's current ``Context.state`` (a ``RecordDict``), by partition id; None
+    where this process runs no patched simulation engine (or it registered no node in ``wait_s``)."""
+    if not _registered.wait(wait_s):
+        return None
+    return {int(store.node_config["partition-id"]): store.retrieve_context(run_id).state for store in _stores.values()}
+
+
+def install() -> bool:
+    """Use :func:`add_messages_to_queue` in Flower's simulation engine and note its nodes' context
+    stores; False (nothing changed) if this Flower's engine is not the one it was written for."""
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    register = getattr(vce_api, "_register_node_info_stores", None)
+    if register is not None and not getattr(register, "noting", False) and \
+            tuple(inspect.signature(register).parameters) == REGISTER_SIGNATURE:
+        vce_api._register_node_info_stores = _noting_stores(register)
     current = getattr(vce_api, "add_messages_to_queue", None)
     if current is add_messages_to_queue:
         return True

@@ -284,7 +284,9 @@ class Task:
     kind. ``may_be_nonfinite`` names the reply metrics (or per-item metric prefixes: ``loss`` for
     ``loss_0``, ``loss_1``, ...) that may be NaN or infinite; every other reply metric must be a
     finite number. The items of the blocks in ``model_blocks`` are models: their arrays travel under
-    the model's ``state_dict`` keys."""
+    the model's ``state_dict`` keys. ``state`` names what its handler keeps on the client's node
+    between messages (:class:`~fedcluster_flwr.client.ClientState`): a handler may read and write
+    those entries only."""
 
     name: str
     sends: tuple[str, ...]  # blocks the instruction must carry
@@ -296,6 +298,7 @@ class Task:
     kind: str = TRAIN_KIND
     may_be_nonfinite: tuple[str, ...] = ()
     model_blocks: tuple[str, ...] = (MODEL, MODELS)
+    state: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.kind not in KINDS:

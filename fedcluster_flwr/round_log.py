@@ -10,14 +10,16 @@ summary, and when checkpoints, artifacts and plots are due. Files are written th
 hooks (phase, assignment, round_metrics, summary, state_dict, artifacts); it writes nothing
 and never sees this log.
 
-A checkpoint is ``{"round", "strategy": strategy.state_dict(), "log": log.state_dict()}``,
-self-contained: :func:`resume` continues a freshly built strategy and log from it.
+A checkpoint is ``{"round", "strategy": strategy.state_dict(), "log": log.state_dict()}``, and,
+where the engine lets the runner see its nodes (every simulation engine), ``"clients"``: what each
+client keeps on its node (:attr:`RoundLog.client_states`); self-contained: :func:`resume` continues a
+freshly built strategy and log from it, and the runner gives the clients theirs back.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from logging import INFO
 from typing import Any
 
@@ -74,6 +76,8 @@ class RoundLog:
         self.latest_accuracy: dict[int, float] = {}
         self._started = time.perf_counter()
         self._seconds_before = 0.0  # wall time of the rounds before a resumed checkpoint
+        # what each client keeps on its node, by partition id, where the engine can show it (the runner sets it)
+        self.client_states: Callable[[], dict[int, dict[str, Any]]] | None = None
 
     def finished(self, server_round: int) -> bool:
         return server_round >= self.rounds
@@ -200,6 +204,8 @@ class RoundLog:
         self.recorder.write_artifacts(report.counters.artifacts)
         if self.checkpoint_due(server_round):
             checkpoint = {"round": server_round, "strategy": strategy.state_dict(), "log": self.state_dict()}
+            if self.client_states is not None:
+                checkpoint["clients"] = self.client_states()
             self.recorder.save_checkpoint(checkpoint)
         if self.finished(server_round) or server_round == self.stop_round:
             # Where the run ends, not with every checkpoint: a checkpoint (every round by default)

@@ -4,11 +4,13 @@ Data arrive as in-memory tensors (a client holds a few hundred samples), so batc
 are sliced from a seeded permutation instead of going through a DataLoader.
 
 What local training minimises is each mini-batch's mean cross-entropy plus the terms of an
-:class:`Objective` (FedProx's proximal term, a regulariser), with the parameters the objective
-freezes held fixed. A term is a pure function of the client's parameters and of the parameters
-the round started from; every engine applies it through this one definition (``train`` here, the
-batched engine's stacked step through ``torch.func.vmap`` of the same function), so a method that
-changes local training states its objective and never copies a training loop.
+:class:`Objective` (FedProx's proximal term, Ditto's pull towards the global model, a regulariser),
+with the parameters the objective freezes held fixed. A term is a pure function of the client's
+parameters and of *anchors*: named constant models, the parameters the training started from
+(``start``) and any the handler names (``global``: the model the server sent, a cluster model, ...).
+Every engine applies it through this one definition (``train`` here, the batched engine's stacked
+step through ``torch.func.vmap`` of the same function), so a method that changes local training
+states its objective and never copies a training loop.
 """
 
 from __future__ import annotations
@@ -82,18 +84,30 @@ ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which make_optimizer u
 ADAM_EPS = 1e-8
 
 Parameters = Mapping[str, torch.Tensor]  # parameter name -> tensor (one client's, or K clients' stacked)
-Term = Callable[[Parameters, Parameters], torch.Tensor]  # (parameters, the round's start) -> a scalar added to the loss
+Anchors = Mapping[str, Parameters]  # anchor name -> constant parameters by name (START: the training's own start)
+Term = Callable[[Parameters, Parameters], torch.Tensor]  # (parameters, its anchor) -> a scalar added to the loss
+START = "start"  # the anchor every training has: its parameters' values when it began
+
+
+def anchor_of(term: Term) -> str:
+    """The anchor a term is computed against: its ``anchor`` attribute, else :data:`START`."""
+    return getattr(term, "anchor", START)
 
 
 @dataclass(frozen=True)
 class Objective:
     """What local training minimises beyond each mini-batch's mean cross-entropy.
 
-    ``terms``: functions ``(parameters, start) -> scalar`` added to every mini-batch's loss, where
-    ``parameters`` are the client's parameters by name and ``start`` their values when the round's
-    training began (constants). They must be pure torch functions of these tensors (no ``.item()``,
-    no Python branch on a value, no module hook): the batched engine vmaps them over the clients.
-    Frozen dataclasses make good terms (hashable: clients with equal objectives are stacked together).
+    ``terms``: functions ``(parameters, anchor) -> scalar`` added to every mini-batch's loss, where
+    ``parameters`` are the client's parameters by name and ``anchor`` a constant model, parameters by
+    name: the one the term's ``anchor`` attribute names, by default :data:`START` (the parameters'
+    values when this training began), else one the handler passes to the training (e.g.
+    ``anchors={"global": the model the server sent}``, for a term with ``anchor = "global"``). They must be pure torch
+    functions of these tensors (no ``.item()``, no Python branch on a value, no module hook): the
+    batched engine vmaps them over the clients. A term holds settings only (numbers, strings, an
+    anchor's name), never a model's values: the values come in ``anchors``, per client. Frozen
+    dataclasses of numbers make good terms: clients with equal objectives are stacked together, and a
+    term that cannot be compared or hashed stops a batched run as the engine's error.
     ``frozen``: parameter-name prefixes (whole dotted components, as ``shared_layers``) whose
     parameters do not change: they get no gradient and no optimizer step.
     """
@@ -101,11 +115,11 @@ class Objective:
     terms: tuple[Term, ...] = ()
     frozen: tuple[str, ...] = ()
 
-    def penalty(self, parameters: Parameters, start: Parameters) -> torch.Tensor:
+    def penalty(self, parameters: Parameters, anchors: Anchors) -> torch.Tensor:
         """The sum of the terms (one client's parameters; vmapped over a stack by the batched engine)."""
-        total = self.terms[0](parameters, start)
+        total = self.terms[0](parameters, anchors[anchor_of(self.terms[0])])
         for term in self.terms[1:]:
-            total = total + term(parameters, start)
+            total = total + term(parameters, anchors[anchor_of(term)])
         return total
 
     def is_frozen(self, name: str) -> bool:
@@ -140,6 +154,14 @@ def make_optimizer(model: nn.Module, settings: TrainSettings, objective: Objecti
     return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
 
 
+def anchor_parameters(model: nn.Module, arrays: NDArrays, device: torch.device) -> dict[str, torch.Tensor]:
+    """A model's arrays (``state_dict`` order) as constant parameters by name, on ``device``, in the
+    model's own dtypes (its buffers left out: no term reads them)."""
+    parameters = dict(model.named_parameters())
+    return {name: torch.tensor(array, dtype=parameters[name].dtype, device=device)
+            for name, array in zip(model.state_dict(), arrays) if name in parameters}
+
+
 def train(
     model: nn.Module,
     x: torch.Tensor,
@@ -148,9 +170,11 @@ def train(
     generator: torch.Generator,
     device: torch.device,
     objective: Objective = PLAIN,
+    anchors: Mapping[str, NDArrays] | None = None,
 ) -> float:
     """Run ``settings.epochs`` epochs of minibatch training on ``objective``; return the mean
-    batch loss (the terms included).
+    batch loss (the terms included). ``anchors``: the named models the objective's terms may pull
+    towards besides :data:`START` (arrays in ``state_dict`` order).
 
     The data go to ``device`` once and the batch losses are read back once at the end: on a
     GPU a host copy or ``.item()`` per step would wait for every step's kernels, and this
@@ -164,7 +188,10 @@ def train(
     for parameter in frozen:
         parameter.requires_grad_(False)
     parameters = dict(model.named_parameters())
-    start = {name: p.detach().clone() for name, p in parameters.items()} if objective.terms else {}
+    constants: dict[str, Parameters] = {}
+    if objective.terms:
+        constants = {START: {name: p.detach().clone() for name, p in parameters.items()}}
+        constants |= {name: anchor_parameters(model, arrays, device) for name, arrays in (anchors or {}).items()}
     x, y = x.to(device), y.to(device)
     losses = []
     for _ in range(settings.epochs):
@@ -174,7 +201,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
             if objective.terms:
-                loss = loss + objective.penalty(parameters, start)
+                loss = loss + objective.penalty(parameters, constants)
             loss.backward()
             optimizer.step()
             losses.append(loss.detach())
@@ -192,8 +219,9 @@ class LocalCompute:
     def train(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TrainSettings,
         generator: torch.Generator, device: torch.device, objective: Objective = PLAIN,
+        anchors: Mapping[str, NDArrays] | None = None,
     ) -> float:
-        return train(model, x, y, settings, generator, device, objective)
+        return train(model, x, y, settings, generator, device, objective, anchors)
 
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
         return evaluate(model, x, y, device)

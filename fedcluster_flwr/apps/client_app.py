@@ -8,7 +8,9 @@ strategies can drive them too), ``train.<task>`` for work that trains a model (`
 ``gossip_train``) and ``query.<task>`` for work that only reports (``select``, ``gram_eigen``,
 ``relevance``, ``identify``). A handler reads the instruction off the message (the task's codec
 checks its records and round before any work), runs the task on the node's client
-(:meth:`~fedcluster_flwr.client.ClusterClient.run`) and replies with the task's records.
+(:meth:`~fedcluster_flwr.client.ClusterClient.run`), with what the client keeps on its node
+(the node's ``Context.state``, :class:`~fedcluster_flwr.client.ClientState`), and replies with the
+task's records.
 
 Which client: the node config says which data, ``partition-id``/``num-partitions`` (a partition of
 the experiment's dataset, as in simulation) or ``data-dir``/``client-id`` (the device's own files;
@@ -31,7 +33,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from .. import protocol, registry
-from ..client import ClusterClient
+from ..client import ClientState, ClusterClient
 from ..config_sections import ExperimentConfig
 from ..data.device import DeviceClient, FolderSource, load_device_data, node_data_source
 from ..data.sources import input_format
@@ -93,12 +95,12 @@ class FedclusterClientApp(ClientApp):
 
     def client(self, context: Context) -> ClusterClient:
         """The client of this node's data (see the module docstring)."""
-        torch.set_num_threads(1)  # one thread per simulated client; Ray runs several at once
-        experiment = self.experiment(context)
         source = node_data_source(context.node_config)
         pid = source.client_id if isinstance(source, FolderSource) else source.pid
         if self.keep_clients and pid in self._clients:
             return self._clients[pid]
+        torch.set_num_threads(1)  # one thread per simulated client; Ray runs several at once
+        experiment = self.experiment(context)
         if isinstance(source, FolderSource):
             client: ClusterClient = make_device_client(experiment, source)
         else:
@@ -113,6 +115,7 @@ class FedclusterClientApp(ClientApp):
         """``task``'s instruction in ``message``, run on this node's client; its reply."""
         inputs = task.read_instruction(message.content)
         client = self.client(context)
+        client.state = ClientState(context.state, task.state, task.name)  # what it keeps on this node
         output = client.run(task, inputs)
         content = task.reply_content(output.blocks, output.num_examples, output.metrics, client.parameter_names)
         return Message(content, reply_to=message)

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,9 @@ from flwr.serverapp.strategy import Result
 
 from ..algorithms.base import ClusteredStrategy, StrategySetup
 from ..algorithms.base.directory import Federation
+from .. import flower_patches
 from ..checkpoints import load_checkpoint
+from ..client import kept_state, restore_kept_state
 from ..config import ConfigWarning, config_to_dict
 from ..config_sections import ExperimentConfig, SimulationConfig
 from ..data import DataError, cluster_names
@@ -69,11 +71,14 @@ from .client_app import FedclusterClientApp
 @dataclass(frozen=True)
 class RunPlan:
     """A run ready to be served: its strategy (connected to its round log, resumed where asked), the
-    rounds still to play and each exchange's timeout (None: wait for every reply)."""
+    rounds still to play, each exchange's timeout (None: wait for every reply) and, for a resumed
+    run, what its clients kept on their nodes at the checkpoint (by partition id; None where the
+    checkpoint could not hold it: made under ``flwr run`` or on devices)."""
 
     strategy: ClusteredStrategy
     num_rounds: int
     timeout: float | None
+    client_states: Mapping[int, Mapping[str, Any]] | None = field(default_factory=dict)
 
 
 def plan_run(
@@ -117,14 +122,43 @@ def plan_run(
     )
     strategy.connect(Federation(join_round=config.simulation.join_round, timeout_s=config.simulation.round_timeout_s),
                      round_log)
+    client_states: dict[int, Any] | None = {}
     if resume:
-        resume_strategy(strategy, round_log, load_checkpoint(run_dir))
+        checkpoint = load_checkpoint(run_dir)
+        resume_strategy(strategy, round_log, checkpoint)
+        client_states = checkpoint.get("clients")
     remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
-    return RunPlan(strategy, remaining, config.simulation.round_timeout_s)
+    return RunPlan(strategy, remaining, config.simulation.round_timeout_s, client_states)
+
+
+def node_states(grid: Grid) -> Callable[[], dict[int, Any]] | None:
+    """How to read each node's ``Context.state`` (by partition id) on ``grid``: our grids' contexts,
+    the contexts Flower's simulation engine keeps in this process (where ``fedcluster run`` noted
+    them, :mod:`fedcluster_flwr.flower_patches`); None elsewhere (a deployment: the state stays on the
+    devices)."""
+    if isinstance(grid, InProcessGrid):
+        return lambda: {int(c.node_config["partition-id"]): c.state for c in grid.contexts.values()}
+    if isinstance(grid, InMemoryGrid) and flower_patches.noting_node_states():
+        return lambda: flower_patches.node_states(grid.run.run_id) or {}
+    return None
 
 
 def serve(grid: Grid, plan: RunPlan) -> Result:
-    """Play the planned run on ``grid``: the strategy's ``start``."""
+    """Play the planned run on ``grid``: the strategy's ``start``. Where the grid shows its nodes'
+    states, the run's checkpoints hold what the clients keep there and a resumed run's clients get
+    theirs back before the first round; elsewhere a checkpoint's client states cannot be given back,
+    which is said."""
+    states, kept = node_states(grid), plan.client_states
+    if states is not None:
+        plan.strategy.observer.client_states = lambda: {pid: values for pid, records in sorted(states().items())
+                                                          if (values := kept_state(records))}
+        for pid, records in states().items():
+            restore_kept_state(records, (kept or {}).get(pid, {}))
+    if plan.strategy.keeps_client_state and (kept is None or kept and states is None):
+        where = "this checkpoint holds none (it was made under flwr run or on devices)" if kept is None else \
+            "this grid (a deployment) cannot be given theirs back"
+        log(WARNING, "fedcluster: %s keeps client state on the nodes, but %s: the clients start without what they "
+                     "kept at the checkpoint", plan.strategy.name, where)
     return plan.strategy.start(grid, num_rounds=plan.num_rounds, timeout=plan.timeout)
 
 

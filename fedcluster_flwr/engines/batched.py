@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..training import PLAIN, LocalCompute, Objective, TrainSettings, evaluate, train
+from ..types import NDArrays
 from .stacked import STACKED_OPTIMIZERS, ClientBatchData, architecture_key, evaluate_stacked, train_stacked, why_not_stackable
 
 log = logging.getLogger("fedcluster")
@@ -80,17 +81,22 @@ class Request:
     settings: TrainSettings | None = None
     generator: torch.Generator | None = None
     objective: Objective = PLAIN
+    anchors: Mapping[str, NDArrays] = field(default_factory=dict)  # the objective's named models, this client's
     done: bool = False
     result: Any = None
     error: BaseException | None = None
 
     def group_key(self) -> tuple:
-        return (self.kind, architecture_key(self.model), self.device, self.settings, self.objective)
+        """Requests with equal keys run stacked. The objective is part of it: its terms must be
+        hashable and comparable (settings only; the anchors' values are per client, not in it)."""
+        return (self.kind, architecture_key(self.model), self.device, self.settings, self.objective,
+                tuple(sorted(self.anchors)))
 
     def run_alone(self) -> Any:
         """What the in-process engine does for this request."""
         if self.kind == "train":
-            return train(self.model, self.x, self.y, self.settings, self.generator, self.device, self.objective)
+            return train(self.model, self.x, self.y, self.settings, self.generator, self.device, self.objective,
+                         self.anchors)
         return evaluate(self.model, self.x, self.y, self.device)
 
 
@@ -238,7 +244,13 @@ def execute(batch: list[Request], policy: BatchPolicy) -> None:
     the stacks and the lone requests spread over ``policy.workers`` threads."""
     groups: dict[tuple, list[Request]] = {}
     for request in batch:
-        groups.setdefault(request.group_key(), []).append(request)
+        try:
+            groups.setdefault(request.group_key(), []).append(request)
+        except Exception as err:  # noqa: BLE001 - e.g. a term holding a dict (unhashable): the engine cannot group
+            raise EngineError(f"batched engine: client {request.pid}'s {request.kind} request cannot be grouped with "
+                              f"the round's others ({type(err).__name__}: {err}); an objective's terms must hold "
+                              "hashable, comparable settings only (docs/how-to/add-algorithm.md)") from err
+    _say_if_objectives_split(groups, policy)
     jobs: list[Callable[[], None]] = []
     for group in groups.values():
         requests = [r for r in group if policy.stacks(r)]  # each model's own hooks decide, not its group's
@@ -255,6 +267,20 @@ def execute(batch: list[Request], policy: BatchPolicy) -> None:
         return
     for done in [policy.pool().submit(job) for job in jobs]:
         done.result()
+
+
+def _say_if_objectives_split(groups: dict[tuple, list[Request]], policy: BatchPolicy) -> None:
+    """Said once: requests that would stack but for their objectives, each in a group of its own (a
+    term holding per-client values, or tensors, which compare by identity: each client's then differs)."""
+    alike: dict[tuple, list[int]] = {}
+    for key, group in groups.items():
+        if group[0].kind == "train":
+            alike.setdefault(key[:4], []).append(len(group))  # the key without the objective and its anchors' names
+    if any(len(sizes) > 1 and 1 in sizes for sizes in alike.values()):
+        policy._say_once("objectives", "the round's clients train on objectives that differ (a term holding per-client "
+                         "values or tensors, which compare by identity): they run in as many groups, one client at a "
+                         "time where a group holds one; a term should hold settings only, its values coming in as "
+                         "anchors (docs/how-to/add-algorithm.md)")
 
 
 def _work(batch: list[Request]) -> int:
@@ -294,7 +320,7 @@ def _run_stacked(requests: list[Request]) -> None:
             states = [g.get_state() for g in generators]
             try:
                 results = train_stacked([r.model for r in requests], data, first.settings, generators, first.device,
-                                        first.objective)
+                                        first.objective, [r.anchors for r in requests])
             except BaseException:
                 for generator, state in zip(generators, states):
                     generator.set_state(state)
@@ -333,8 +359,10 @@ class BatchedCompute(LocalCompute):
     def train(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TrainSettings,
         generator: torch.Generator, device: torch.device, objective: Objective = PLAIN,
+        anchors: Mapping[str, NDArrays] | None = None,
     ) -> float:
-        return self.rendezvous.submit(Request("train", self.pid, model, x, y, device, settings, generator, objective))
+        return self.rendezvous.submit(
+            Request("train", self.pid, model, x, y, device, settings, generator, objective, dict(anchors or {})))
 
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
         return self.rendezvous.submit(Request("evaluate", self.pid, model, x, y, device))

@@ -40,7 +40,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.optim.adam import adam as adam_step
 
-from ..training import ADAM_BETAS, ADAM_EPS, PLAIN, Objective, TrainSettings
+from ..training import ADAM_BETAS, ADAM_EPS, PLAIN, START, Objective, TrainSettings
+from ..types import NDArrays
 
 StackedParameters = dict[str, torch.Tensor]  # name -> [K, *shape]
 StackedForward = Callable[[StackedParameters, torch.Tensor], torch.Tensor]  # [K, B, ...] -> [K, B, classes]
@@ -259,6 +260,21 @@ def _schedule_on_device(
     return out
 
 
+def stack_anchors(template: nn.Module, anchors: Sequence[Mapping[str, NDArrays]], device: torch.device) -> dict[str, StackedParameters]:
+    """Each client's named anchor models (arrays in ``state_dict`` order) stacked along the client
+    axis, parameters only, in the model's dtypes, moved to ``device`` once, before the step loop."""
+    if not anchors:
+        return {}
+    parameters = dict(template.named_parameters())
+    keys = [name for name in template.state_dict() if name in parameters]
+    order = {name: k for k, name in enumerate(template.state_dict())}
+    return {
+        anchor: {name: torch.stack([torch.as_tensor(client[anchor][order[name]]) for client in anchors])
+                 .to(device=device, dtype=parameters[name].dtype) for name in keys}
+        for anchor in anchors[0]
+    }
+
+
 def train_steps(
     template: nn.Module,
     params: StackedParameters,
@@ -267,9 +283,11 @@ def train_steps(
     generators: Sequence[torch.Generator],
     device: torch.device,
     objective: Objective = PLAIN,
+    anchors: Sequence[Mapping[str, NDArrays]] = (),
 ) -> torch.Tensor:
     """Train the stacked ``params`` in place on ``device``; return each client's mean batch loss as a
-    device tensor ``[K]`` (NaN for a client without a step). Nothing is read back to the host."""
+    device tensor ``[K]`` (NaN for a client without a step). Nothing is read back to the host.
+    ``anchors``: each client's named anchor models (the same names for every client)."""
     forward = stacked_forward(template)
     names = list(params)
     trainable = objective.trainable(names)
@@ -286,10 +304,12 @@ def train_steps(
     step_counts = torch.tensor([float(len(s)) for s in schedules]).to(device)
     steps_before = torch.arange(len(plan), dtype=torch.float32).to(device)
     optimizer = StackedOptimizer(params, settings, trainable)
-    start = {n: params[n].clone() for n in names} if objective.terms else None
+    constants = {START: {n: params[n].clone() for n in names}} | stack_anchors(template, anchors, device) \
+        if objective.terms else None
     penalty = vmap(objective.penalty) if objective.terms else None
     with host_sync_check(device):
-        _run_plan(forward, params, names, trainable, plan, x_all, y_all, optimizer, steps_before, loss_sums, start, penalty)
+        _run_plan(forward, params, names, trainable, plan, x_all, y_all, optimizer, steps_before, loss_sums, constants,
+                  penalty)
     return loss_sums / step_counts
 
 
@@ -312,7 +332,8 @@ def host_sync_check(device: torch.device) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(before)
 
 
-def _run_plan(forward, params, names, trainable, plan, x_all, y_all, optimizer, steps_before, loss_sums, start, penalty):
+def _run_plan(forward, params, names, trainable, plan, x_all, y_all, optimizer, steps_before, loss_sums, constants,
+              penalty):
     """The step loop of :func:`train_steps` (nothing in it reads the device back)."""
     for step, groups in enumerate(plan):
         for index, rows, _ in groups:
@@ -324,7 +345,8 @@ def _run_plan(forward, params, names, trainable, plan, x_all, y_all, optimizer, 
                 logits.reshape(count * batch, -1), y_all[index].reshape(-1), reduction="none"
             ).view(count, batch).mean(dim=1)
             if penalty is not None:
-                losses = losses + penalty(current, {n: pick(start[n]) for n in names})
+                anchors = {a: {n: pick(t) for n, t in anchor.items()} for a, anchor in constants.items()}
+                losses = losses + penalty(current, anchors)
             grads = torch.autograd.grad(losses.sum(), [current[n] for n in trainable])
             optimizer.update(params, grads, steps_before[step], rows)
             if rows is None:
@@ -340,12 +362,13 @@ def train_stacked(
     generators: Sequence[torch.Generator],
     device: torch.device,
     objective: Objective = PLAIN,
+    anchors: Sequence[Mapping[str, NDArrays]] = (),
 ) -> list[float]:
     """:func:`fedcluster_flwr.training.train` for every ``models[k]`` on ``data[k]`` with
-    ``generators[k]``, all at once; the models are updated in place (they stay where they are) and
-    each client's mean batch loss is returned, as ``train`` returns it."""
+    ``generators[k]`` (and ``anchors[k]``), all at once; the models are updated in place (they stay
+    where they are) and each client's mean batch loss is returned, as ``train`` returns it."""
     params = stack_parameters(models, device)
-    mean_losses = train_steps(models[0], params, data, settings, generators, device, objective)
+    mean_losses = train_steps(models[0], params, data, settings, generators, device, objective, anchors)
     write_back(models, params)
     return [float(v) for v in mean_losses.cpu().tolist()]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from flwr.app import Message, RecordDict
 
 from ... import protocol
-from ...protocol import EVALUATE, MODEL, NUM_EXAMPLES, ModelSpec, Sent, Task
+from ...protocol import MODEL, NUM_EXAMPLES, ModelSpec, Sent, Task
 from ...types import NDArrays, Scalar
 
 __all__ = ["Instruction", "Reply", "RoundMessages", "Verdicts"]
@@ -102,7 +102,7 @@ class RoundMessages:
         self.model_spec = model_spec
         self.train_sizes = train_sizes  # per partition: a reply claiming more examples is refused
         self._sent: dict[int, tuple[Instruction, Sent]] = {}
-        self._evaluating: dict[int, Sent] = {}
+        self._evaluating: dict[int, tuple[Instruction, Sent]] = {}
 
     @property
     def instructions(self) -> dict[int, Instruction]:
@@ -121,14 +121,14 @@ class RoundMessages:
             messages.append(self._message(instruction, server_round, node_of, cache))
         return messages
 
-    def make_evaluate(self, models: Mapping[int, NDArrays], server_round: int, node_of: Callable[[int], int]) -> list[Message]:
-        """One evaluation ``Message`` per client, carrying the model it is evaluated with."""
+    def make_evaluate(self, instructions: Sequence[Instruction], server_round: int, node_of: Callable[[int], int]) -> list[Message]:
+        """One evaluation ``Message`` per client (of an evaluate-kind task: ``evaluate``, carrying the
+        model it is evaluated with, or a strategy's own), remembered for the results."""
         cache: protocol.RecordCache = {}
         self._evaluating = {}
         messages = []
-        for pid, model in models.items():
-            instruction = Instruction(pid, EVALUATE, {MODEL: [model]})
-            self._evaluating[pid] = Sent.of(instruction.blocks, instruction.config)
+        for instruction in instructions:
+            self._evaluating[instruction.pid] = (instruction, Sent.of(instruction.blocks, instruction.config))
             messages.append(self._message(instruction, server_round, node_of, cache))
         return messages
 
@@ -206,13 +206,15 @@ class RoundMessages:
             if message.has_error():
                 problems[pid] = describe_error(message)
                 continue
+            instruction, sent = self._evaluating[pid]
             try:
                 metrics = _metrics(message.content)
-                problem = EVALUATE.problem_with_metrics(metrics, self._evaluating[pid]) or \
-                    EVALUATE.problem_with_arrays(message.content, self._evaluating[pid], self.model_spec)
+                problem = instruction.task.problem_with_metrics(metrics, sent) or \
+                    instruction.task.problem_with_arrays(message.content, sent, self.model_spec)
             except Exception as err:  # noqa: BLE001 - an unreadable result is ignored
                 problem = f"unreadable result ({type(err).__name__}: {err})"
             if problem is None:
+                metrics.pop(NUM_EXAMPLES, None)
                 results[pid] = metrics
             else:
                 problems[pid] = problem

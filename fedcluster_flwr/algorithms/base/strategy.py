@@ -49,20 +49,17 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from ... import protocol
-from ...aggregation import weighted_mean
-from ...models import parameters_with_prefixes
-from ...protocol import ACCURACY, MODEL, MODELS, TEST_LOSS, TRAIN, VAL_LOSS, ModelSpec, content_nbytes
+from ...protocol import ACCURACY, EVALUATE, MODEL, TEST_LOSS, VAL_LOSS, ModelSpec, content_nbytes
+from ...schema import config_key
 from ...types import NDArrays, Scalar
-from .selection import SELECT, SELECTED, TRAIN_SELECT
 from .directory import ClientDirectory, Federation
 from .model_selection import BestValidated
 from .messages import Instruction, Reply, RoundMessages, Verdicts, train_losses
+from .toolkit import UNASSIGNED, ClusterToolkit
 from .round_report import RoundCounters, RoundObserver, RoundReport
 
 __all__ = ["HOOKS", "UNASSIGNED", "Artifacts", "ClusteredStrategy", "Instruction", "Reply", "RoundReport",
            "StrategySetup"]
-
-UNASSIGNED = -1  # the cluster of a client that has none (yet)
 
 # A file of the run directory a strategy describes, by file name: an array (``.npy``) or a
 # figure, drawn by calling it with the path (``.png``). The results side writes them.
@@ -75,6 +72,7 @@ HOOKS = (
     "phase",  # the name of a round's phase in rounds.jsonl
     "local_objective",  # what the clients' local training minimises (train instructions)
     "unassigned_model",  # what a client without a cluster is evaluated on
+    "evaluation_instruction",  # what a client is asked to evaluate (default: its model, task evaluate)
     "round_metrics",  # the algorithm's entries of a round's row
     "summary_entries",  # the algorithm's entries of summary.json
     "artifacts",  # files describing the strategy's state (dendrogram, similarity matrix, ...)
@@ -106,13 +104,14 @@ class StrategySetup:
         return ModelSpec.of(names, self.initial_weights)
 
 
-class ClusteredStrategy(Strategy):
+class ClusteredStrategy(ClusterToolkit, Strategy):
     """Per-cluster (or per-client) models and the round protocol; see the module docstring."""
 
     name: ClassVar[str]
     Options: ClassVar[type]
     round_word: ClassVar[str] = "rounds"  # what one of its rounds is, in plots ("ifca rounds")
     phase_words: ClassVar[Mapping[str, str]] = {}  # its own phases in words, for the plots' legend
+    keeps_client_state: ClassVar[bool] = False  # its tasks keep state on the clients' nodes (Task.state)
 
     def __init__(self, options: Any, setup: StrategySetup) -> None:
         super().__init__()
@@ -129,6 +128,7 @@ class ClusteredStrategy(Strategy):
         self.observer: RoundObserver | None = None
         self.model_selection = BestValidated()
         self.counters = RoundCounters()
+        self.evaluations: Mapping[int, Mapping[str, Scalar]] = {}  # the round's sound evaluation metrics, by client
         self.round_offset = 0  # rounds already done when resuming: Flower's round r is round r + offset
 
     def connect(self, federation: Federation, observer: RoundObserver | None) -> ClusteredStrategy:
@@ -167,6 +167,13 @@ class ClusteredStrategy(Strategy):
         """The model a client without a cluster (``UNASSIGNED``) is evaluated on, counted under
         ``unassigned``: by default the lowest-numbered cluster's."""
         return self.models[min(self.models)]
+
+    def evaluation_instruction(self, pid: int) -> Instruction:
+        """What client ``pid`` evaluates at the round's end: by default its model
+        (:meth:`evaluation_model`), task ``evaluate``; a strategy whose clients evaluate what they keep
+        themselves (a personal model) names its own task. The round's results, every metric its task
+        replies with, are in :attr:`evaluations` when :meth:`round_metrics` is asked."""
+        return Instruction(pid, EVALUATE, {MODEL: [self.evaluation_model(pid)]})
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         """Algorithm-specific entries of the round's row in ``rounds.jsonl``."""
@@ -209,98 +216,6 @@ class ClusteredStrategy(Strategy):
         because the run has already acted on them (e.g. FL+HC's clustering options once it
         clustered); default none."""
         return ()
-
-    # ---- helpers for subclasses ------------------------------------------------------------------
-
-    @property
-    def online(self) -> list[int]:
-        """Partition ids online in the current round."""
-        return self.directory.online
-
-    def initial_model(self) -> NDArrays:
-        """A fresh copy of the run's initial model."""
-        return [a.copy() for a in self.setup.initial_weights]
-
-    def sample(self, pids: Sequence[int], fraction: float) -> list[int]:
-        """Seeded sample of ``max(1, floor(fraction * len(pids)))`` clients (Flower's FedAvg
-        rule, without its ``min_fit_clients`` floor)."""
-        if not pids:
-            return []
-        count = min(len(pids), max(1, math.floor(fraction * len(pids) + 1e-9)))
-        return sorted(int(p) for p in self.rng.choice(np.asarray(pids), size=count, replace=False))
-
-    def start_clusters(self, assignment: Sequence[int]) -> None:
-        """Assign clients to clusters, every cluster starting from the initial model."""
-        self.assignment[:] = assignment
-        self.models = {int(c): self.initial_model() for c in set(self.assignment.tolist())}
-
-    def members(self, cluster: int, pids: Sequence[int]) -> list[int]:
-        return [p for p in pids if self.assignment[p] == cluster]
-
-    def train_cluster_models(self, pids: Sequence[int]) -> list[Instruction]:
-        """Each client trains the model of its own cluster."""
-        instructions = []
-        for pid in pids:
-            cluster = int(self.assignment[pid])
-            instructions.append(
-                Instruction(pid, TRAIN, {MODEL: [self.models[cluster]]}, self.local_objective(), clusters=(cluster,))
-            )
-        return instructions
-
-    def per_cluster_training(self, online: Sequence[int], fraction: float) -> list[Instruction]:
-        """Every cluster samples ``fraction`` of its online members (independent FedAvg)."""
-        instructions = []
-        for cluster in sorted(self.models):
-            instructions += self.train_cluster_models(self.sample(self.members(cluster, online), fraction))
-        return instructions
-
-    def select_cluster(self, pid: int, clusters: Sequence[int] | None = None) -> Instruction:
-        """``pid`` picks the cluster model (of ``clusters``, default all) with its lowest training
-        loss and trains it (task ``train_select``); :meth:`join_chosen_clusters` then moves it."""
-        chosen = tuple(sorted(self.models) if clusters is None else clusters)
-        return Instruction(pid, TRAIN_SELECT, {MODELS: [self.models[c] for c in chosen]}, clusters=chosen)
-
-    def per_cluster_training_and_placement(self, online: Sequence[int], fraction: float) -> list[Instruction]:
-        """:meth:`per_cluster_training`, and every online client without a cluster (it missed the
-        clustering, or joined later) choosing one (:meth:`select_cluster`)."""
-        newcomers = [p for p in online if self.assignment[p] == UNASSIGNED]
-        return self.per_cluster_training(online, fraction) + [self.select_cluster(p) for p in newcomers]
-
-    def join_chosen_clusters(self, replies: Sequence[Reply]) -> None:
-        """Each client that chose among cluster models (task ``train_select`` or ``select``: a
-        ``selected`` index into the instruction's ``clusters``) joins the cluster it chose."""
-        for reply in replies:
-            if reply.task in (TRAIN_SELECT, SELECT):
-                self.assignment[reply.pid] = reply.instruction.clusters[int(reply.metrics[SELECTED])]
-
-    def parameter_indices(self, prefixes: Sequence[str], key: str) -> list[int]:
-        """Indices of the model's arrays named by ``prefixes`` (e.g. ``conv``); an unknown
-        prefix is a config error on ``key`` that lists the model's parameter names."""
-        return parameters_with_prefixes(self.model_spec.names, prefixes, key)
-
-    def aggregation_weights(self, replies: Sequence[Reply]) -> Sequence[float]:
-        """Each reply's weight in :meth:`average`: its number of examples (FedAvg's |D_i|)."""
-        return [r.num_examples for r in replies]
-
-    def average(self, replies: Sequence[Reply]) -> NDArrays:
-        """FedAvg of the models of ``replies``, weighted by :meth:`aggregation_weights`."""
-        return weighted_mean((r.model() for r in replies), self.aggregation_weights(replies), self.dtypes)
-
-    def aggregate_clusters(self, replies: Sequence[Reply]) -> None:
-        """FedAvg inside each cluster (by the current assignment); clusters without replies keep their model."""
-        by_cluster: dict[int, list[Reply]] = {}
-        for reply in replies:
-            by_cluster.setdefault(int(self.assignment[reply.pid]), []).append(reply)
-        for cluster, members in by_cluster.items():
-            self.models[cluster] = self.average(members)
-
-    def evaluation_model(self, pid: int) -> NDArrays:
-        """The model client ``pid`` is evaluated with: its own if it has one, else its cluster's,
-        else :meth:`unassigned_model`."""
-        if pid in self.client_models:
-            return self.client_models[pid]
-        cluster = int(self.assignment[pid])
-        return self.unassigned_model() if cluster == UNASSIGNED else self.models[cluster]
 
     # ---- Flower's Message-API Strategy -----------------------------------------------------------
     # Flower numbers the rounds of each ``start`` from 1; a resumed run's round r is round r + round_offset.
@@ -351,7 +266,7 @@ class ClusteredStrategy(Strategy):
         """Every online client evaluates its own model (:meth:`evaluation_model`)."""
         server_round += self.round_offset
         online = self.directory.online_clients(server_round, grid)
-        messages = self.messages.make_evaluate({pid: self.evaluation_model(pid) for pid in online}, server_round,
+        messages = self.messages.make_evaluate([self.evaluation_instruction(pid) for pid in online], server_round,
                                                self.directory.node)
         self.counters.bytes_eval = sum(content_nbytes(message.content) for message in messages)
         return messages
@@ -361,6 +276,7 @@ class ClusteredStrategy(Strategy):
         report for the observer; the mean client accuracy as Flower's evaluate metrics of the round."""
         server_round += self.round_offset
         results, problems = self.messages.judge_evaluations(replies, self.directory.pid_of)
+        self.evaluations = results
         for pid, problem in problems.items():
             log(WARNING, "round %s: evaluation of client %s ignored: %s", server_round, pid, problem)
         accuracy = {pid: float(m[ACCURACY]) for pid, m in results.items()}
@@ -375,7 +291,7 @@ class ClusteredStrategy(Strategy):
         :meth:`summary_entries`)."""
         log(INFO, "\t├──> %s (%s) on %d clients", self.name, type(self).__name__, self.setup.num_clients)
         for option in fields(self.options) if is_dataclass(self.options) else ():  # declared options are dataclasses
-            log(INFO, "\t│\t%s: %s", option.name, getattr(self.options, option.name))
+            log(INFO, "\t│\t%s: %s", config_key(option), getattr(self.options, option.name))  # the YAML key: lambda, not lambda_
 
     def start(
         self,

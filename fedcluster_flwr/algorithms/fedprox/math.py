@@ -15,15 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ...training import Parameters
+from ...training import START, Parameters
 
 
 @dataclass(frozen=True)
 class ProximalTerm:
-    """(μ/2) ||w − w^t||² over every parameter (eq. 2's second term); ``start`` is w^t."""
+    """(μ/2) ||w − a||² over every parameter, a the anchor named ``anchor``: FedProx's eq. 2 with
+    a = w^t, the model the round's training started from (:data:`~fedcluster_flwr.training.START`);
+    Ditto's personal objective (its eq. 2) with a = the global model the server sent."""
 
     mu: float
+    anchor: str = START
 
-    def __call__(self, parameters: Parameters, start: Parameters) -> torch.Tensor:
-        squared = [(parameters[name] - start[name]).square().sum() for name in parameters]
+    def __call__(self, parameters: Parameters, anchor: Parameters) -> torch.Tensor:
+        squared = [(parameters[name] - anchor[name]).square().sum() for name in parameters]
         return 0.5 * self.mu * torch.stack(squared).sum()
