@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .algorithms.base.options import NeedsSetting
+from .algorithms.base.options import NeedsSetting, StableUnderSGD
 from .config_sections import (
     ClientConfig,
     DatasetConfig,
@@ -191,6 +191,10 @@ def rule_text(cls: type, rule: Any, prefix: str, experiment: bool = False) -> st
     if isinstance(rule, NeedsSetting):
         values = " or ".join(f"`{as_yaml(v)}`" for v in rule.values)
         return f"{_condition_text(cls, rule.condition, prefix)} only where `{rule.key}` is {values} (it {rule.why})"
+    if isinstance(rule, StableUnderSGD):
+        lr = f"{_key(cls, rule.lr, prefix)} (else `client.lr`)" if rule.lr else "`client.lr`"
+        return (f"{_key(cls, rule.name, prefix)} × {lr} below 2(1 + `client.momentum`) where `client.optimizer` is "
+                f"`sgd` (past it SGD on the pull alone diverges)")
     raise TypeError(f"docs_reference cannot describe the rule {rule!r}: teach rule_text")
 
 

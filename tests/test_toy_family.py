@@ -93,3 +93,12 @@ def test_a_family_that_cannot_be_imported_is_named_with_the_variable_that_named_
     assert done.returncode != 0
     assert "algorithm family 'no_such_family' (named by environment variable FEDCLUSTER_ALGORITHMS)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_familys_own_test_passes_with_the_public_api_only():
+    """examples/toy_family/test_toy.py, the add-algorithm page's outside test, run as its folder runs it."""
+    env = os.environ | {"PYTHONPATH": str(FAMILY_DIR), "FEDCLUSTER_ALGORITHMS": "fedcluster_toy"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_toy.py"],
+                          cwd=FAMILY_DIR, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout

@@ -18,7 +18,7 @@ from ...options_builder import DeclaredOptions
 from ...schema import at_least, option
 from ...training import Objective
 from ...types import Scalar
-from ..base.options import SHARE_OF_CLIENTS
+from ..base.options import SHARE_OF_CLIENTS, StableUnderSGD
 from ..baselines.strategy import FedAvg
 from .math import ProximalTerm
 
@@ -39,6 +39,8 @@ class FedProxOptions(DeclaredOptions):
     client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
     # μ: Li et al. tune it per dataset over {0.001, 0.01, 0.1, 1} (Sec. 5.3); 0.01 is ours, from that grid
     mu: float = option(0.01, at_least(0))
+
+    experiment_rules = (StableUnderSGD("mu"),)
 
 
 @register
