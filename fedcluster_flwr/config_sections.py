@@ -137,6 +137,7 @@ class SimulationConfig(DeclaredOptions):
     # Late joiners: partition id -> first round in which the client is online.
     join_round: dict[int, int] = field(default_factory=dict)
     # Seconds to wait for a client's reply (fit, evaluate, properties); null waits for Flower's TTL.
+    # Ray only: inprocess and batched run every call to its end in this process (no reply is late).
     round_timeout_s: float | None = option(None, above(0))
     # Deterministic GPU kernels (cuDNN, cuBLAS workspace, torch's deterministic algorithms), so that a
     # seed fixes a CUDA run as it already fixes a CPU run; no effect on CPU results.
@@ -153,6 +154,10 @@ class SimulationConfig(DeclaredOptions):
         OnlyWith("ray_address", Is("engine", "ray"), "only simulation.engine ray runs on a Ray cluster"),
         OnlyWith("batched_memory_gb", Is("engine", "batched")),
         OnlyWith("batched_workers", Is("engine", "batched")),
+        OnlyWith("round_timeout_s", Is("engine", "ray"),
+                 "only simulation.engine ray waits for replies (engine is {engine}): inprocess and batched run every "
+                 "client's call to its end in this process, deterministically, so no reply can be late; remove the "
+                 "key or run on ray"),
     )
 
     def validate(self, prefix: str) -> None:
