@@ -24,7 +24,8 @@ from fedcluster_flwr.engines.stacked import (
     ClientBatchData, StackedOptimizer, evaluation_sums, stack_parameters, train_stacked, train_steps,
 )
 from fedcluster_flwr.models import MODELS, build_model
-from fedcluster_flwr.training import TrainSettings, evaluate, train
+from fedcluster_flwr.algorithms.fedprox.math import ProximalTerm
+from fedcluster_flwr.training import PLAIN, Objective, TrainSettings, evaluate, train
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -80,14 +81,20 @@ class Audit(TorchDispatchMode):
         return out
 
 
-def audited_training(epochs: int) -> Audit:
+def audited_training(epochs: int, anchored: bool = False) -> Audit:
+    """``anchored``: Ditto's pull towards a model each client was sent (the anchor "global")."""
     group = models("cnn_zec_fmnist", 3)
     data = clients([12, 12, 7])
     settings = TrainSettings(epochs=epochs, batch_size=4, lr=0.01, optimizer="adam", momentum=0.0, weight_decay=0.0)
     params = stack_parameters(group, META)
+    objective, anchors = PLAIN, ()
+    if anchored:
+        objective = Objective(terms=(ProximalTerm(0.1, anchor="global"),))
+        anchors = [{"global": [v.numpy() for v in m.state_dict().values()]} for m in models("cnn_zec_fmnist", 3, seed=1)]
     stacked.RESIDENT = stacked.ResidentData()  # a fresh cache: the data's first crossing is counted
     with Audit() as audit:
-        train_steps(group[0], params, data, settings, [torch.Generator().manual_seed(k) for k in range(3)], META)
+        train_steps(group[0], params, data, settings, [torch.Generator().manual_seed(k) for k in range(3)], META,
+                    objective, anchors)
     return audit
 
 
@@ -96,6 +103,14 @@ def test_the_step_loop_copies_to_the_device_and_reads_the_host_a_fixed_number_of
     assert one.host_reads == four.host_reads == 0
     assert one.to_device == four.to_device  # whatever the number of steps:
     assert one.to_device == 3 + 2 * 3  # the indices, the step counts and numbers, and each client's x and y once
+
+
+def test_an_anchored_objective_moves_its_anchors_to_the_device_once_before_the_step_loop():
+    plain, one, four = audited_training(1), audited_training(1, anchored=True), audited_training(4, anchored=True)
+    assert one.host_reads == four.host_reads == 0
+    assert one.to_device == four.to_device  # however many steps
+    parameters = len(list(models("cnn_zec_fmnist", 1)[0].parameters()))
+    assert one.to_device == plain.to_device + parameters  # each parameter's stacked anchors, once
 
 
 def test_client_data_crosses_to_the_device_once_per_run():
