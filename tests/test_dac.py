@@ -578,7 +578,8 @@ def test_the_reference_check_report_reads_both_sides_records(tmp_path):
                               set=["strategy.same_init=true"])
     lines = check.report(args, [3, 4]).splitlines()
     assert lines[0].startswith("Ours with `strategy.same_init=true`. 4 clients (")
-    assert ("| random_gossip, ours, synchronous | 2 | 70.0 ± 10.0 | 50.0 ± 10.0 | 60.0 ± 10.0 | 80.0 ± 10.0 "
+    # ± is the sample std (ddof = 1): two runs 20 points apart give 14.1, not the population's 10.0
+    assert ("| random_gossip, ours, synchronous | 2 | 70.0 ± 14.1 | 50.0 ± 14.1 | 60.0 ± 14.1 | 80.0 ± 14.1 "
             "| 50.0 ± 0.0 | 0.60 | 20 |") in lines
     assert "| random_gossip, reference code | 1 | 60.0 | 50.0 | 40.0 | 30.0 | – | 0.60 | 7 |" in lines
     assert "| random_gossip, ours, synchronous | 50 / 40 | 50 / 40 |" in lines  # round by round, 180°: best / current

@@ -213,11 +213,12 @@ def test_a_ray_run_with_a_round_timeout_moved_in_process_leaves_the_timeout_behi
     (base / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     moved = runner.plan_continuation(base, overrides=["simulation.engine=batched"])
     assert (moved.config.simulation.engine, moved.config.simulation.round_timeout_s) == ("batched", None)
-    assert moved.notes == ("simulation.round_timeout_s: 60 dropped (a setting of another engine; the run moves to "
+    assert moved.notes == ("simulation.round_timeout_s: 60.0 dropped (a setting of another engine; the run moves to "
                            "simulation.engine batched)",)
     with pytest.raises(ConfigError, match=r"simulation.round_timeout_s: only simulation.engine ray waits for replies "
                                           r"\(engine is inprocess\)"):
-        runner.plan_continuation(base, overrides=["simulation.engine=inprocess", "simulation.round_timeout_s=5"])
+        runner.plan_continuation(base, out=tmp_path / "branch",
+                                 overrides=["simulation.engine=inprocess", "simulation.round_timeout_s=5"])
 
 
 def test_an_engine_setting_the_user_typed_for_another_engine_is_still_an_error(tmp_path):
