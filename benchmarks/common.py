@@ -18,9 +18,10 @@ os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 
 import numpy as np  # noqa: E402
 
+from fedcluster_flwr.config import config_to_dict  # noqa: E402
 from fedcluster_flwr.config_sections import ExperimentConfig  # noqa: E402
 from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
-from fedcluster_flwr.runner import run_experiment  # noqa: E402
+from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment  # noqa: E402
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -38,19 +39,37 @@ def run_or_reuse(config: ExperimentConfig, run_dir: Path, engine: str | None = N
     """The summary of ``config`` run into ``run_dir`` on ``engine`` (default: the config's
     ``simulation.engine``): Flower's Ray engine ("ray"), the in-process driver ("inprocess": one
     process, one torch thread, the same rounds bit for bit) or its batched form ("batched"); a run
-    that finished there earlier is reused (delete the folder to run it again)."""
+    that finished there earlier is reused (delete the folder to run it again), and one stopped there
+    (Ctrl-C, a crash, a machine taken back) continues from its checkpoint, on ``engine``, if the
+    folder holds the same experiment; a folder of another experiment is an error naming both."""
     if (summary := finished_summary(run_dir)) is not None:
         return summary
     engine = engine or config.simulation.engine
     config = dataclasses.replace(config, simulation=dataclasses.replace(config.simulation, engine=engine))
     started = time.perf_counter()
-    if engine != "ray":
+    if (run_dir / "checkpoint" / "state.json").is_file():
+        continuation = plan_continuation(run_dir, overrides=[f"simulation.engine={engine}"])
+        check_same_experiment(continuation.config, config, run_dir)
+        summary = continue_run(continuation)
+    elif engine != "ray":
         run_in_process(config, run_dir)
         summary = finished_summary(run_dir)
     else:
         summary = run_experiment(config, run_dir)
     print(f"{run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
     return summary
+
+
+def check_same_experiment(stored: ExperimentConfig, wanted: ExperimentConfig, run_dir: Path) -> None:
+    """Refuse to continue a stopped run whose config is not the benchmark's (a folder left from an
+    earlier version of the benchmark, or another scale): its rounds would be mixed into the table.
+    The ``simulation`` section is how the rounds execute, not what they compute: it may differ."""
+    stored_dict, wanted_dict = config_to_dict(stored), config_to_dict(wanted)
+    differing = sorted(key for key in stored_dict.keys() | wanted_dict.keys()
+                       if key != "simulation" and stored_dict.get(key) != wanted_dict.get(key))
+    if differing:
+        raise SystemExit(f"{run_dir}: a stopped run of another experiment (its config.yaml differs in "
+                         f"{', '.join(differing)}); delete the folder or give another --out")
 
 
 def value_at(rows: list[dict[str, Any]], key: str, round_number: int) -> Any:
