@@ -36,7 +36,6 @@ from .schema import ConfigError
 
 if TYPE_CHECKING:
     from .protocol import Task
-    from .training import Objective
 
 ENTRY_POINT_GROUP = "fedcluster_flwr.algorithms"
 FAMILIES_VARIABLE = "FEDCLUSTER_ALGORITHMS"

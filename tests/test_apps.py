@@ -23,6 +23,7 @@ from fedcluster_flwr.apps.server_app import (
     flwr_run_dir,
     flwr_run_notes,
     flwr_run_summary,
+    node_states,
     start_flwr_run,
 )
 from fedcluster_flwr.config import load_config, parse_override
@@ -194,3 +195,14 @@ def test_flwr_run_ends_with_the_summary_and_a_config_error_fails_the_run(tmp_pat
         assert all(any(line.endswith(summary_line) for line in lines) for summary_line in expected)
         assert "History (" not in good.stdout and "no effect under flwr run: simulation.num_cpus_per_client=2.0" in good.stdout
         assert "finished:completed" in status(good.stdout)
+
+
+def test_node_states_are_read_on_our_grids_and_nowhere_a_node_keeps_its_own():
+    """Which grid shows its nodes' Context.state: ours (in-process), Flower's in-memory one (the Ray
+    engine's, where fedcluster noted them) and no other (a deployment: the state stays on the device).
+    Every branch runs here, so a name one of them needs is found missing by the fast tier."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    assert node_states(object()) is None  # a deployment's grid
+    flower_grid = InMemoryGrid.__new__(InMemoryGrid)  # no run: only its type is asked
+    assert node_states(flower_grid) is None  # not noting: the grid was not started by fedcluster run

@@ -33,7 +33,7 @@ from helpers import (
     CIFAR_BATCHES, configure, connect_test_run, constant_model, fit_res, make_setup, metrics_record, recorded_rows, reply_to,
     synthetic_grid, write_cifar,
 )
-from fedcluster_flwr import cli, protocol, runner
+from fedcluster_flwr import cli, runner
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from fedcluster_flwr.config import config_to_dict, load_config, parse_override
 from fedcluster_flwr.data import DataError, load_pool

@@ -30,7 +30,7 @@ from fedcluster_flwr.algorithms.oneshot.tasks import (
     SHARE_EIGENVALUES_KEY,
 )
 from fedcluster_flwr.algorithms.base.selection import DIRECTIONS, SELECT, SELECTED, TRAIN_SELECT
-from helpers import SHAPES, synthetic_grid, constant_model, pack_reply, reply_content, synthetic_round, make_setup, select_metrics
+from helpers import SHAPES, synthetic_grid, constant_model, reply_content, synthetic_round, make_setup, select_metrics
 
 SPEC = ModelSpec.of(["w", "b"], [np.zeros(s, np.float32) for s in SHAPES])
 ONES = constant_model(1.0)  # a valid model, for replies whose values do not matter

@@ -138,6 +138,10 @@ def node_states(grid: Grid) -> Callable[[], dict[int, Any]] | None:
     devices)."""
     if isinstance(grid, InProcessGrid):
         return lambda: {int(c.node_config["partition-id"]): c.state for c in grid.contexts.values()}
+    # Imported here, not at the top: flwr.superlink costs start-up ~0.8 s (SQLAlchemy) that the
+    # in-process engines never need; where this line runs on Flower's engine it is loaded already.
+    from flwr.superlink.grid import InMemoryGrid
+
     if isinstance(grid, InMemoryGrid) and flower_patches.noting_node_states():
         return lambda: flower_patches.node_states(grid.run.run_id) or {}
     return None
