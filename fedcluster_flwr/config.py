@@ -14,7 +14,8 @@ experiment here (:mod:`fedcluster_flwr.cost`) loads with a warning.
 
 Swapping strategies (:func:`swap_strategy`): an override that changes ``strategy.name`` keeps of
 the YAML's strategy options only those that mean the same for the new strategy
-(:data:`SAME_MEANING_OPTIONS`, and options both inherit from one declaration); the others are
+(options declared with the role ``SAME_MEANING``, :mod:`fedcluster_flwr.config_roles`, and options
+both inherit from one declaration); the others are
 dropped with a note, since a value written for one algorithm (FL+HC's l1 ``threshold: 20``) is
 not a value for another (one-shot's ``threshold`` on 1 - R in (0, 1)).
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .config_file import parse_value, read_yaml
+from .config_roles import SAME_MEANING
 from .config_sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, SimulationConfig, StrategyConfig
 from .cost import POOL_SIZES, estimate_cost
 from .data.partition_options import group_count
@@ -77,6 +79,13 @@ def config_differences(
         return [found for name in sorted(set(before) | set(after))
                 for found in config_differences(before.get(name), after.get(name), ignore, f"{key}.{name}" if key else name)]
     return [] if before == after else [(key, before, after)]
+
+
+def tree_at(tree: Any, dotted: str) -> Any:
+    """The value at ``dotted`` of a plain config tree (:func:`config_to_dict`'s); None if absent."""
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def left_with_engine(
@@ -299,12 +308,6 @@ def load_config(
     return config, ([swap.note()] if swap is not None and swap.dropped else []) + notes
 
 
-# Options every strategy that declares them means the same way: the share of clients that train
-# per round (of all clients, or of each cluster's members) and the number of clusters (cut, models
-# or groups). A strategy whose option of one of these names means something else must rename it.
-SAME_MEANING_OPTIONS = ("client_fraction", "num_clusters")
-
-
 def _declared_by(options: type, name: str) -> type:
     """The most basic class among ``options`` and its bases that declares field ``name``."""
     return next(cls for cls in reversed(options.__mro__) if name in inspect.get_annotations(cls))
@@ -312,12 +315,17 @@ def _declared_by(options: type, name: str) -> type:
 
 def carries_over(name: str, old: type, new: type) -> bool:
     """Whether option ``name`` (a field name) of strategy class ``old`` keeps its meaning in ``new``:
-    it is one of :data:`SAME_MEANING_OPTIONS`, or both inherit it from one declaration (one family:
-    ifca/gradloss, the gossip strategies, the hierarchical ones)."""
-    new_fields = {f.name for f in dataclasses.fields(new.Options)}
-    if name not in new_fields:
+    both declare it with :data:`~fedcluster_flwr.config_roles.SAME_MEANING` (the share of clients that
+    train per round, the number of clusters: :func:`~fedcluster_flwr.config_roles.same_meaning_options`),
+    or both inherit it from one declaration (one family: ifca/gradloss, the gossip strategies, the
+    hierarchical ones)."""
+    old_field = next((f for f in dataclasses.fields(old.Options) if f.name == name), None)
+    new_field = next((f for f in dataclasses.fields(new.Options) if f.name == name), None)
+    if new_field is None:
         return False
-    return name in SAME_MEANING_OPTIONS or _declared_by(old.Options, name) is _declared_by(new.Options, name)
+    if old_field is not None and SAME_MEANING.declared_by(old_field) and SAME_MEANING.declared_by(new_field):
+        return True
+    return _declared_by(old.Options, name) is _declared_by(new.Options, name)
 
 
 @dataclass(frozen=True)

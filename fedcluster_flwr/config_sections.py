@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .data.sources import DATASET_SOURCES, HF, dataset_shape
 from .models import MODELS, RENAMED as RENAMED_MODELS
+from .config_roles import EXECUTION, FIXED_ON_BRANCH, RUN_CONFIG, no_effect_under_flwr_run
 from .options_builder import DeclaredOptions
 from .schema import (
     REQUIRED,
@@ -37,8 +38,9 @@ from .schema import (
 
 @dataclass(frozen=True)
 class DatasetConfig(DeclaredOptions):
-    name: str = option("digits", InRegistry(DATASET_SOURCES, "dataset"))
-    data_dir: str | None = None  # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
+    name: str = option("digits", InRegistry(DATASET_SOURCES, "dataset"), roles=(RUN_CONFIG,))
+    # the data folder; null: $FEDCLUSTER_DATA_DIR, else ~/.cache/fedcluster/data
+    data_dir: str | None = option(None, roles=(RUN_CONFIG,))
     download: bool = False  # let torchvision fetch MNIST/Fashion-MNIST/CIFAR-10 when online
     # hf (docs/tutorial/own-dataset.md): a folder of parquet/arrow files, a save_to_disk folder, or a Hub
     # dataset name (online); a relative path is looked for in the working directory, then the data folder
@@ -62,9 +64,9 @@ class DatasetConfig(DeclaredOptions):
 class PartitionConfig(DeclaredOptions):
     """The ``partition`` section: these keys, plus the options of the partitioner ``name``."""
 
-    name: str
+    name: str = option(REQUIRED, roles=(RUN_CONFIG,))
     # at most a million, before any partitioner allocates for them (FEMNIST, the largest dataset here, has 805,263 samples)
-    num_clients: int = option(10, Interval(1, 1_000_000))
+    num_clients: int = option(10, Interval(1, 1_000_000), roles=(RUN_CONFIG,))
     # null: an equal share of the pool; for class_subsets the largest size every client can get from
     # its classes; for dirichlet and natural a cap, default none
     samples_per_client: int | None = option(None, at_least(2))
@@ -88,7 +90,7 @@ PARTITION_COMMON = set(config_keys(PartitionConfig)) - {"options"}
 
 @dataclass(frozen=True)
 class ModelConfig(DeclaredOptions):
-    name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS))
+    name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS), roles=(RUN_CONFIG,))
 
 
 # The most a factor of the optimizer's update (client.lr, client.weight_decay) may be. torch turns it
@@ -102,9 +104,9 @@ FLOAT32_STEP = "at most 1e37: Adam's first step, 10·lr, must be a float32 numbe
 
 @dataclass(frozen=True)
 class ClientConfig(DeclaredOptions):
-    epochs: int = option(1, at_least(1))
-    batch_size: int = option(32, at_least(1))
-    lr: float = option(0.05, Interval(0, OPTIMIZER_FACTOR_MAX, closed="right"), note=FLOAT32_STEP)
+    epochs: int = option(1, at_least(1), roles=(RUN_CONFIG,))
+    batch_size: int = option(32, at_least(1), roles=(RUN_CONFIG,))
+    lr: float = option(0.05, Interval(0, OPTIMIZER_FACTOR_MAX, closed="right"), note=FLOAT32_STEP, roles=(RUN_CONFIG,))
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = option(0.0, Interval(0, 1, closed="left"))
     weight_decay: float = option(0.0, Interval(0, OPTIMIZER_FACTOR_MAX),
@@ -114,7 +116,7 @@ class ClientConfig(DeclaredOptions):
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    name: str
+    name: str = option(REQUIRED, roles=(FIXED_ON_BRANCH, RUN_CONFIG))
     options: Any  # the strategy's own options dataclass
 
 
@@ -124,14 +126,18 @@ class SimulationConfig(DeclaredOptions):
     # three (docs/how-to/engines.md). ray: Flower's virtual client engine, one ClientApp call per client.
     # inprocess: the same calls one after another in one process, no Ray (bit for bit ray's rounds).
     # batched: inprocess, with the torch work of a round's clients executed together (stacked).
-    engine: Literal["ray", "inprocess", "batched"] = "ray"
+    engine: Literal["ray", "inprocess", "batched"] = option("ray", roles=(EXECUTION,))
     # batched: memory the stacked clients may take, in GB; null: half the memory free at the start
     # (on the GPU for client.device cuda, else in RAM, at most 4 GB there).
-    batched_memory_gb: float | None = option(None, above(0))
+    batched_memory_gb: float | None = option(None, above(0), roles=(EXECUTION,))
     # batched, on a CPU: worker threads (one torch thread each); null: one per core this process may use.
-    batched_workers: int | None = option(None, at_least(1))
-    num_cpus_per_client: float = option(1.0, above(0))  # Ray resources per simulated client
-    num_gpus_per_client: float = option(0.0, at_least(0))  # e.g. 0.25 packs four clients per GPU; client.device auto uses it
+    batched_workers: int | None = option(None, at_least(1), roles=(EXECUTION,))
+    # Ray resources per simulated client
+    num_cpus_per_client: float = option(1.0, above(0), roles=(
+        EXECUTION, no_effect_under_flwr_run("use flwr run --federation-config \"client-resources-num-cpus=N\"")))
+    # e.g. 0.25 packs four clients per GPU; client.device auto uses it
+    num_gpus_per_client: float = option(0.0, at_least(0), roles=(
+        EXECUTION, no_effect_under_flwr_run("use flwr run --federation-config \"client-resources-num-gpus=X\"")))
     # Fault injection for robustness studies: partition id -> rounds in which its fit raises.
     fail_fit: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Late joiners: partition id -> first round in which the client is online.
@@ -148,7 +154,8 @@ class SimulationConfig(DeclaredOptions):
     # An existing Ray cluster to run the clients on: its head's HOST:PORT, as `ray start --head`
     # prints it. null: Ray starts on this machine for this run and ends with it (see
     # docs/how-to/ray-cluster-gpu.md).
-    ray_address: str | None = option(None, HostPort("10.0.0.1:6379"))
+    ray_address: str | None = option(None, HostPort("10.0.0.1:6379"), roles=(
+        EXECUTION, no_effect_under_flwr_run("Flower's simulation runtime starts its own Ray")))
 
     rules = (
         OnlyWith("ray_address", Is("engine", "ray"), "only simulation.engine ray runs on a Ray cluster"),
@@ -195,24 +202,29 @@ class ExperimentConfig(DeclaredOptions):
     takes its defaults, except ``model``; ``partition`` (default iid) and ``strategy`` (default
     fedavg) are built by :func:`build_config` from the partitioner / strategy they name."""
 
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    partition: PartitionConfig
-    model: ModelConfig
-    client: ClientConfig = field(default_factory=ClientConfig)
+    # The sections: what the data, the clients and the model are produced the checkpoint, so a branch
+    # keeps them; the strategy's name too (its options may change on a branch where it did not act on them).
+    dataset: DatasetConfig = option(factory=DatasetConfig, roles=(FIXED_ON_BRANCH,))
+    partition: PartitionConfig = option(REQUIRED, roles=(FIXED_ON_BRANCH,))
+    model: ModelConfig = option(REQUIRED, roles=(FIXED_ON_BRANCH,))
+    client: ClientConfig = option(factory=ClientConfig, roles=(FIXED_ON_BRANCH,))
     strategy: StrategyConfig
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    seed: int = option(0, SEED_RANGE)  # partitions, model init, sampling and local shuffling derive from it
-    rounds: int = option(20, at_least(1))
-    target_accuracy: float = option(0.9, Interval(0, 1))  # for pct_clients_over_target and rounds_to_target
-    output_dir: str = "outputs"  # each run writes <output_dir>/<timestamp>_<strategy>_<dataset>_<partition>/
+    # partitions, model init, sampling and local shuffling derive from it
+    seed: int = option(0, SEED_RANGE, roles=(FIXED_ON_BRANCH, RUN_CONFIG))
+    rounds: int = option(20, at_least(1), roles=(RUN_CONFIG,))
+    # for pct_clients_over_target and rounds_to_target
+    target_accuracy: float = option(0.9, Interval(0, 1), roles=(RUN_CONFIG,))
+    # each run writes <output_dir>/<timestamp>_<strategy>_<dataset>_<partition>/
+    output_dir: str = option("outputs", roles=(RUN_CONFIG,))
     # Checkpoint every N rounds (0: only at the end), so that a stopped run resumes from its last
     # complete round: ~5 ms per round on the default config (docs/how-to/resume-and-branch.md).
     checkpoint_every: int = option(1, at_least(0))
     # Log each round's numbers and the final summary to an experiment tracker as well (needs the pip
     # extra of that name; docs/how-to/tracking.md): tensorboard writes <run>/tensorboard/, mlflow logs
-    # to $MLFLOW_TRACKING_URI. A resume continues the same tracker run; may change on resume.
-    tracking: Literal["none", "tensorboard", "mlflow"] = "none"
+    # to $MLFLOW_TRACKING_URI. A resume continues the same tracker run.
+    tracking: Literal["none", "tensorboard", "mlflow"] = option("none", roles=(EXECUTION,))
 
     @property
     def input_shape(self) -> tuple[int, int, int]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .algorithms.base.options import NeedsSetting, StableUnderSGD
+from .config_roles import roles_text
 from .config_sections import (
     ClientConfig,
     DatasetConfig,
@@ -116,6 +117,8 @@ def description(cls: type, field: dataclasses.Field) -> str:
     note = field.metadata.get(NOTE)
     if note:
         text = f"{text} ({note})" if text else note
+    if roles := roles_text(field):  # declared roles (fedcluster_flwr.config_roles), in the reader's words
+        text = f"{text} [{roles}]" if text else f"[{roles}]"
     return text
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from .config_roles import check_same_meaning
 from .schema import ConfigError
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def register(cls: type) -> type:
     if STRATEGIES.get(name, cls) is not cls:
         raise ValueError(f"strategy name {name!r} is taken by {_where(STRATEGIES[name])}; "
                          f"{_where(cls)} needs another name")
+    check_same_meaning([*STRATEGIES.values(), cls])  # an option of a shared name means the same everywhere
     STRATEGIES[name] = cls
     return cls
 

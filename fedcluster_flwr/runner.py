@@ -42,7 +42,8 @@ from typing import Any, Protocol
 import yaml
 
 from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
-from .config import config_differences, config_to_dict, left_with_engine, load_config, parse_override
+from .config import config_differences, config_to_dict, left_with_engine, load_config, parse_override, tree_at
+from .config_roles import EXECUTION, FIXED_ON_BRANCH, keys_with
 from .config_sections import ExperimentConfig
 from .engine_process import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
@@ -290,8 +291,9 @@ def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
 
 
 # Keys a resume may change in place: how a round's clients execute (a checkpoint moves between
-# engines) and where metrics are also sent, not what the rounds compute.
-EXECUTION_KEYS = ("simulation.engine", "simulation.batched_memory_gb", "simulation.batched_workers", "tracking")
+# engines and machines) and where metrics are also sent, not what the rounds compute; declared with
+# roles=(EXECUTION,) where each option is (fedcluster_flwr.config_roles).
+EXECUTION_KEYS = keys_with(ExperimentConfig, EXECUTION)
 
 
 @dataclass(frozen=True)
@@ -414,8 +416,9 @@ def check_checkpoint_fits(config: ExperimentConfig, state: dict[str, Any], run_d
         )
 
 
-# What produced a checkpoint; a branch that changed one of these would continue a run that never happened.
-BRANCH_FIXED = ("dataset", "partition", "model", "client", "seed")
+# What produced a checkpoint; a branch that changed one of these would continue a run that never
+# happened. Declared with roles=(FIXED_ON_BRANCH,): the data, clients, model, seed and strategy name.
+BRANCH_FIXED = keys_with(ExperimentConfig, FIXED_ON_BRANCH)
 
 
 def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[str, Any]) -> None:
@@ -423,17 +426,17 @@ def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[
     training, seed), the strategy, or a strategy option the run already acted on."""
     from .registry import strategies
 
-    old, new = config_to_dict(before), config_to_dict(after)
-    for section in BRANCH_FIXED:
-        changed = next((key for key, _, _ in config_differences(old[section], new[section], key=section)), None)
-        require(
-            changed is None,
-            changed or section,
-            "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
-            f"({', '.join(BRANCH_FIXED)}, strategy.name); start a new run instead",
-        )
     require(before.strategy.name == after.strategy.name, "strategy.name",
             f"a branch continues the {before.strategy.name} checkpoint of RUN_DIR; start a new run for another strategy")
+    old, new = config_to_dict(before), config_to_dict(after)
+    for fixed in BRANCH_FIXED:
+        changed = next((key for key, _, _ in config_differences(tree_at(old, fixed), tree_at(new, fixed), key=fixed)), None)
+        require(
+            changed is None,
+            changed or fixed,
+            "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
+            f"({', '.join(BRANCH_FIXED)}); start a new run instead",
+        )
     for option in strategies()[before.strategy.name].options_fixed_by(state["strategy"]):
         require(
             getattr(before.strategy.options, option) == getattr(after.strategy.options, option),

@@ -97,6 +97,7 @@ def option_key(options: Any, name: str, prefix: str = "") -> str:
 
 CONSTRAINTS = "constraints"  # the field metadata entry option() fills and check_declared reads
 NOTE = "note"
+ROLES = "roles"  # what the option means to the runner and the apps (fedcluster_flwr.config_roles)
 REQUIRED: Any = dataclasses.MISSING  # option(REQUIRED, ...): the key has no default
 
 
@@ -107,7 +108,8 @@ class Constraint(Protocol):
         """What is wrong with ``value`` (never None), or None when nothing is."""
 
 
-def option(default: Any = REQUIRED, *constraints: Constraint, key: str | None = None, note: str | None = None) -> Any:
+def option(default: Any = REQUIRED, *constraints: Constraint, key: str | None = None, note: str | None = None,
+           roles: tuple[Any, ...] = (), factory: Any = None) -> Any:
     """A dataclass field whose value must satisfy ``constraints``.
 
     ``count: int = option(1, at_least(1))`` declares the YAML key ``count`` with default 1, and
@@ -115,6 +117,9 @@ def option(default: Any = REQUIRED, *constraints: Constraint, key: str | None = 
     A None value is left alone (the ``X | None`` type already says whether null is allowed).
     ``key``: the YAML key where the field's name cannot be it (``lambda``, a Python keyword).
     ``note``: what special values mean, added to every constraint error of the field.
+    ``roles``: what else the option is (:mod:`fedcluster_flwr.config_roles`: how a run executes,
+    fixed on a branch, ...), from which the lists of such keys are derived.
+    ``factory``: a default made per instance (a section, a dict), as ``default_factory``.
     """
     metadata: dict[str, Any] = {}
     if constraints:
@@ -123,6 +128,10 @@ def option(default: Any = REQUIRED, *constraints: Constraint, key: str | None = 
         metadata["key"] = key
     if note is not None:
         metadata[NOTE] = note
+    if roles:
+        metadata[ROLES] = tuple(roles)
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 

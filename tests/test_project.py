@@ -79,8 +79,8 @@ def test_flhc_conf_files_hold_the_papers_setting(name):
 SAMPLE_VALUES = {
     "seed": 3, "rounds": 4, "target_accuracy": 0.8, "output_dir": "/tmp/x", "dataset.name": "mnist",
     "dataset.data_dir": "/data", "partition.name": "iid", "partition.num_clients": 10, "model.name": "mlp3",
-    "client.epochs": 2, "client.batch_size": 8, "client.lr": 0.1, "strategy.name": "fedavg",
-    "strategy.client_fraction": 0.5,
+    "client.epochs": 2, "client.batch_size": 8, "client.lr": 0.1, "strategy.name": "ifca",
+    "strategy.client_fraction": 0.5, "strategy.num_clusters": 3,
 }
 
 
@@ -92,6 +92,7 @@ def test_every_run_config_key_is_a_valid_override():
     config = config_from_run_config(run_config)
     assert config.rounds == 4 and config.dataset.name == "mnist" and config.model.name == "mlp3"
     assert config.strategy.options.client_fraction == 0.25  # `set` comes last and wins
+    assert config.strategy.options.num_clusters == 3
     assert config.client.momentum == 0.9
 
 

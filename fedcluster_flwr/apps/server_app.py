@@ -47,7 +47,8 @@ from .. import flower_patches
 from ..checkpoints import load_checkpoint
 from ..client import kept_state, restore_kept_state
 from ..config import ConfigWarning, config_to_dict
-from ..config_sections import ExperimentConfig, SimulationConfig
+from ..config_roles import NO_EFFECT_UNDER_FLWR_RUN, declared, default_of
+from ..config_sections import ExperimentConfig
 from ..data import DataError, cluster_names
 from ..engines.batched import BatchedCompute
 from ..engines.inprocess import BatchedGrid, InProcessGrid, batched_rendezvous, partition_node_configs
@@ -61,7 +62,7 @@ from ..recorder import RunRecorder, run_dir_name
 from ..registry import strategy_class
 from ..round_log import RoundLog, resume as resume_strategy
 from ..run_files import RoundRow, format_summary, read_summary
-from ..schema import ConfigError
+from ..schema import ConfigError, lookup
 from ..training import get_weights
 from .client_app import FedclusterClientApp
 
@@ -252,24 +253,20 @@ def flwr_run_dir(config: ExperimentConfig, run_id: int) -> Path:
     return base / f"{name}_run{run_id}"
 
 
-# Options of the experiment config that a `flwr run` cannot honour: there the SuperLink's own runtime
-# (Flower's simulation runtime with the federation's settings, or real SuperNodes) runs the clients.
+# Options of the experiment config that a `flwr run` cannot honour, with what to use instead: there
+# the SuperLink's own runtime (Flower's simulation runtime with the federation's settings, or real
+# SuperNodes) runs the clients. Declared with roles=(no_effect_under_flwr_run(reason),).
 # (simulation.engine inprocess/batched and the batched options do apply: flwr_run_main runs that engine.)
-IGNORED_UNDER_FLWR_RUN = {
-    "ray_address": "Flower's simulation runtime starts its own Ray",
-    "num_cpus_per_client": "use flwr run --federation-config \"client-resources-num-cpus=N\"",
-    "num_gpus_per_client": "use flwr run --federation-config \"client-resources-num-gpus=X\"",
-}
+IGNORED_UNDER_FLWR_RUN = {key: role.reason for key, role in declared(ExperimentConfig, NO_EFFECT_UNDER_FLWR_RUN).items()}
 
 
 def flwr_run_notes(config: ExperimentConfig) -> list[str]:
-    """``simulation.KEY=value (why)`` for each option of ``config`` set away from its default that
-    has no effect under ``flwr run`` (a default says nothing the user asked for)."""
-    defaults = SimulationConfig()
+    """``KEY=value (why)`` for each option of ``config`` set away from its default that has no
+    effect under ``flwr run`` (a default says nothing the user asked for)."""
     return [
-        f"simulation.{key}={getattr(config.simulation, key)} ({why})"
+        f"{key}={lookup(config, key)} ({why})"
         for key, why in IGNORED_UNDER_FLWR_RUN.items()
-        if getattr(config.simulation, key) != getattr(defaults, key)
+        if lookup(config, key) != default_of(ExperimentConfig, key)
     ]
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fedcluster_flwr.algorithms.base import ClusteredStrategy, Instruction, Reply, StrategySetup
-from fedcluster_flwr.algorithms.base.options import SHARE_OF_CLIENTS
+from fedcluster_flwr.algorithms.base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from fedcluster_flwr.options_builder import DeclaredOptions
 from fedcluster_flwr.protocol import MODEL
 from fedcluster_flwr.registry import register
@@ -28,7 +28,7 @@ from fedcluster_flwr.schema import Interval, above, option
 
 @dataclass(frozen=True)
 class ServerMomentumOptions(DeclaredOptions):
-    client_fraction: float = option(0.3, SHARE_OF_CLIENTS)
+    client_fraction: float = option(0.3, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
     server_momentum: float = option(0.9, Interval(0, 1, closed="left"), note="β; 0 with server_lr 1 is FedAvg")
     server_lr: float = option(1.0, above(0), note="η")
 

@@ -15,7 +15,7 @@ from ...protocol import MODEL, TRAIN
 from ...options_builder import DeclaredOptions
 from ...schema import option
 from ..base.strategy import ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import SHARE_OF_CLIENTS
+from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ...registry import register
 
 
@@ -23,7 +23,7 @@ from ...registry import register
 class FractionOptions(DeclaredOptions):
     """Share of clients (per cluster, where there are clusters) that train each round."""
 
-    client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
+    client_fraction: float = option(0.1, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
 
 
 @dataclass(frozen=True)

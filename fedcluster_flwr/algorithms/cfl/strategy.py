@@ -129,7 +129,7 @@ from ...protocol import MODEL, TRAIN
 from ...options_builder import DeclaredOptions
 from ...schema import ConfigError, Interval, NoMoreThan, above, at_least, option
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import SHARE_OF_CLIENTS
+from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ...registry import register
 
 # The paper's absolute thresholds (``thresholds: absolute``), calibrated on the default digits
@@ -156,7 +156,7 @@ BIPARTITIONS = {"optimal": "single", "complete": "complete"}  # option value -> 
 class CFLOptions(DeclaredOptions):
     """CFL hyperparameters; ε1 and ε2 are the paper's thresholds on update norms."""
 
-    client_fraction: float = option(1.0, SHARE_OF_CLIENTS)
+    client_fraction: float = option(1.0, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
     # relative: ε1 = eps1_relative · S, ε2 = eps2_relative · S (S: see EPS1_RELATIVE); absolute: the
     # paper's ε1 = eps1, ε2 = eps2 in the units of the parameters
     thresholds: Literal["relative", "absolute"] = "relative"

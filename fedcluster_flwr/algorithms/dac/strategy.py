@@ -72,7 +72,7 @@ from ...plots import plot_client_matrix
 from ...options_builder import DeclaredOptions
 from ...schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import SHARE_OF_CLIENTS
+from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ..base.turns import TakesTurns
 from ...registry import register
 from .math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
@@ -86,7 +86,7 @@ PRETRAIN_PHASE = "pretrain"
 @dataclass(frozen=True)
 class GossipOptions(DeclaredOptions):
     num_neighbours: int = option(5, at_least(1))
-    client_fraction: float = option(1.0, SHARE_OF_CLIENTS)
+    client_fraction: float = option(1.0, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
     same_init: bool = False
     # local epochs before the first exchange; null takes client.epochs, as the reference code does
     pretrain_epochs: int | None = option(None, at_least(0), note="0: no pretraining; null: client.epochs")

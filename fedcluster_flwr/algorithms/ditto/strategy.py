@@ -30,7 +30,7 @@ from ...options_builder import DeclaredOptions
 from ...protocol import MODEL
 from ...registry import register
 from ...schema import at_least, option
-from ..base.options import SHARE_OF_CLIENTS, StableUnderSGD
+from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS, StableUnderSGD
 from ..base.strategy import Instruction, Reply, StrategySetup
 from ..baselines.strategy import FedAvg
 from .tasks import DITTO_TRAIN, GLOBAL_ACCURACY, LAMBDA_KEY, PERSONAL_EPOCHS_KEY, PERSONAL_EVALUATE, PERSONAL_LR_KEY, START
@@ -40,7 +40,7 @@ from .tasks import DITTO_TRAIN, GLOBAL_ACCURACY, LAMBDA_KEY, PERSONAL_EPOCHS_KEY
 class DittoOptions(DeclaredOptions):
     """FedAvg's sampling, λ of eq. 2 and the personal training's own settings."""
 
-    client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
+    client_fraction: float = option(0.1, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
     # λ: Li et al. tune it per dataset over {0.01, 0.1, 1, 2} (Sec. 5); 0.1 is ours, from that grid
     lambda_: float = option(0.1, at_least(0), key="lambda")
     # the personal update's epochs and learning rate; null: the client's own (client.epochs, client.lr),

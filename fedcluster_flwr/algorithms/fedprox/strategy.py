@@ -18,7 +18,7 @@ from ...options_builder import DeclaredOptions
 from ...schema import at_least, option
 from ...training import Objective
 from ...types import Scalar
-from ..base.options import SHARE_OF_CLIENTS, StableUnderSGD
+from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS, StableUnderSGD
 from ..baselines.strategy import FedAvg
 from .math import ProximalTerm
 
@@ -36,7 +36,7 @@ def proximal_objective(config: Mapping[str, Scalar]) -> Objective:
 class FedProxOptions(DeclaredOptions):
     """FedAvg's sampling and the proximal term's weight."""
 
-    client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
+    client_fraction: float = option(0.1, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
     # μ: Li et al. tune it per dataset over {0.001, 0.01, 0.1, 1} (Sec. 5.3); 0.01 is ours, from that grid
     mu: float = option(0.01, at_least(0))
 

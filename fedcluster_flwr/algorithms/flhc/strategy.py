@@ -36,7 +36,7 @@ from ...protocol import MODEL
 from ...options_builder import DeclaredOptions
 from ...schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ..base.options import SAME_MEANING, CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register
 
 
@@ -44,12 +44,12 @@ from ...registry import register
 class FLHCOptions(DeclaredOptions):
     """FL+HC hyperparameters; names follow the paper (cf, n, distance, linkage, threshold)."""
 
-    client_fraction: float = option(0.2, SHARE_OF_CLIENTS)
+    client_fraction: float = option(0.2, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
     rounds_before_clustering: int = option(10, at_least(0))
     distance: Literal["l1", "l2", "cosine"] = "l1"
     linkage: Literal["single", "complete", "average", "ward"] = "complete"
     threshold: float | None = option(None, above(0))
-    num_clusters: int | None = option(None, at_least(1))
+    num_clusters: int | None = option(None, at_least(1), roles=(SAME_MEANING,))
     projection_dim: int | None = option(None, at_least(2))
     clustering_quorum: float = option(0.5, SHARE_OF_CLIENTS)  # share of online clients whose updates the clustering needs
     save_updates: bool = False  # write the clustering round's update matrix to updates.npy

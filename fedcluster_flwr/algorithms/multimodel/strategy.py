@@ -51,7 +51,7 @@ from ..base.selection import DIRECTIONS, SELECT, TRAIN_SELECT
 from ...options_builder import DeclaredOptions
 from ...schema import Interval, LessThan, above, at_least, option, require
 from ..base.strategy import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ..base.options import SAME_MEANING, CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register
 
 
@@ -59,8 +59,8 @@ from ...registry import register
 class IFCAOptions(DeclaredOptions):
     """IFCA's options (the gradloss options add ``lambda``)."""
 
-    num_clusters: int = option(4, at_least(1))
-    client_fraction: float = option(0.1, SHARE_OF_CLIENTS)
+    num_clusters: int = option(4, at_least(1), roles=(SAME_MEANING,))
+    client_fraction: float = option(0.1, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))
     selection_batch: int | None = option(None, at_least(1), note="null: all training samples")  # samples the K losses are taken on
     loss_reduction: Literal["mean", "sum"] = "mean"
     local_update: Literal["epochs", "one_step"] = "epochs"

@@ -57,7 +57,7 @@ from ...plots import plot_client_matrix
 from ...options_builder import DeclaredOptions
 from ...schema import AtMostOne, Interval, Is, NoMoreThan, OnlyWith, RequiredWith, at_least, join_key, option, require
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
-from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ..base.options import SAME_MEANING, CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register
 
 
@@ -65,7 +65,7 @@ from ...registry import register
 class HFLOptions(DeclaredOptions):
     """What every hierarchical variant shares: LPS sampling and the GPS's shared layers."""
 
-    client_fraction: float = option(1.0, SHARE_OF_CLIENTS)  # of each LPS's members, per round
+    client_fraction: float = option(1.0, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))  # of each LPS's members, per round
     lps_rounds: int = option(1, at_least(1))  # the GPS averages the shared layers every lps_rounds training rounds
     shared_layers: tuple[str, ...] = ()  # parameter-name prefixes, e.g. [conv]
 
@@ -76,7 +76,7 @@ class HFLOptions(DeclaredOptions):
 
 @dataclass(frozen=True)
 class RandomClustersOptions(HFLOptions):
-    num_clusters: int = option(2, at_least(1))
+    num_clusters: int = option(2, at_least(1), roles=(SAME_MEANING,))
 
     experiment_rules = (CLUSTERS_FIT_CLIENTS,)
 
@@ -124,7 +124,7 @@ class OneShotOptions(FeatureMapOptions, HFLOptions):
     # make the ratio unstable; 0 is eq. 3 unguarded. benchmarks/oneshot/README.md measures its effect.
     eigen_floor: float = option(RELEVANCE_FLOOR, Interval(0, 1, closed="left"),
                                 note="a share of the largest eigenvalue compared; 0: eq. 3 unguarded")
-    num_clusters: int | None = option(None, at_least(1))
+    num_clusters: int | None = option(None, at_least(1), roles=(SAME_MEANING,))
     threshold: float | None = option(None, Interval(0, 1, closed="neither"))  # on 1 - R
     linkage: Literal["single", "complete", "average"] = "average"
 

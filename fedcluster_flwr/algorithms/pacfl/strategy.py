@@ -56,17 +56,17 @@ from ..oneshot import tasks as oneshot
 from ..oneshot.tasks import EIGENVECTORS, GRAM_EIGEN
 from ..base.strategy import UNASSIGNED, Artifacts, Instruction, Reply, StrategySetup
 from ..oneshot.strategy import FeatureMapOptions, HFLOptions, HierarchicalFL, feature_config
-from ..base.options import CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
+from ..base.options import SAME_MEANING, CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register
 
 
 @dataclass(frozen=True)
 class PACFLOptions(FeatureMapOptions, HFLOptions):
-    client_fraction: float = option(0.1, SHARE_OF_CLIENTS)  # of all clustered online clients per round (the paper's frac)
+    client_fraction: float = option(0.1, SHARE_OF_CLIENTS, roles=(SAME_MEANING,))  # of all clustered online clients per round (the paper's frac)
     num_basis: int = option(3, at_least(1))  # p, the principal vectors each client sends (the reference scripts' n_basis)
     proximity: Literal["smallest_angle", "sum_of_angles", "elementwise_min_angle"] = "smallest_angle"
     threshold: float | None = option(None, above(0))  # degrees, on the proximity (the reference's cluster_alpha)
-    num_clusters: int | None = option(None, at_least(1))
+    num_clusters: int | None = option(None, at_least(1), roles=(SAME_MEANING,))
     linkage: Literal["single", "complete", "average"] = "average"
 
     rules = (AtMostOne("num_clusters", "threshold"),)
