@@ -18,6 +18,7 @@ from .data.sources import DATASET_SOURCES, HF, dataset_shape
 from .models import MODELS, RENAMED as RENAMED_MODELS
 from .config_roles import EXECUTION, FIXED_ON_BRANCH, RUN_CONFIG, no_effect_under_flwr_run
 from .options_builder import DeclaredOptions
+from .training import TrainSettings
 from .schema import (
     REQUIRED,
     HostPort,
@@ -93,24 +94,11 @@ class ModelConfig(DeclaredOptions):
     name: str = option(REQUIRED, InRegistry(MODELS, "model", retired=RENAMED_MODELS), roles=(RUN_CONFIG,))
 
 
-# The most a factor of the optimizer's update (client.lr, client.weight_decay) may be. torch turns it
-# into the float32 parameters' type and refuses one float32 cannot hold (3.4e38): every fit then
-# fails with "value cannot be converted to type float without overflow" and the run goes on at
-# chance, naming nothing. Adam's first step is lr / (1 - β1) = 10·lr, so 1e37 (with room for
-# round-off) is the largest every optimizer takes; an lr anywhere near it diverges in one step anyway.
-OPTIMIZER_FACTOR_MAX = 1e37
-FLOAT32_STEP = "at most 1e37: Adam's first step, 10·lr, must be a float32 number, as the parameters are"
-
-
 @dataclass(frozen=True)
-class ClientConfig(DeclaredOptions):
-    epochs: int = option(1, at_least(1), roles=(RUN_CONFIG,))
-    batch_size: int = option(32, at_least(1), roles=(RUN_CONFIG,))
-    lr: float = option(0.05, Interval(0, OPTIMIZER_FACTOR_MAX, closed="right"), note=FLOAT32_STEP, roles=(RUN_CONFIG,))
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: float = option(0.0, Interval(0, 1, closed="left"))
-    weight_decay: float = option(0.0, Interval(0, OPTIMIZER_FACTOR_MAX),
-                                 note="at most 1e37: it multiplies the float32 parameters in every step")
+class ClientConfig(TrainSettings):
+    """How a client trains (these keys but ``device`` are fedcluster_flwr.training.TrainSettings, the
+    one type every engine's training reads) and where."""
+
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: a GPU where the client has one, else the CPU
 
 

@@ -25,7 +25,7 @@ from .models import build_model
 from .numerics import pin_portable_numerics
 from .schema import ConfigError
 from .registry import strategies
-from .training import TrainSettings, get_weights, use_deterministic_kernels
+from .training import get_weights, use_deterministic_kernels
 
 APP_ROOT = Path(__file__).resolve().parent.parent  # the project root (or the installed FAB)
 RUN_CONFIG_FILE_KEY = "config"
@@ -209,15 +209,12 @@ def make_client(
     if not 0 <= pid < config.partition.num_clients:
         name = "partition-id" if data is None else "client-id"
         raise ValueError(f"{name} {pid} is outside 0..{config.partition.num_clients - 1} (partition.num_clients)")
-    client = config.client
     return client_class(
         pid=pid,
         num_partitions=num_partitions,
         data=client_data(config, pid) if data is None else data,
         model_factory=model_factory(config),
-        settings=TrainSettings(
-            client.epochs, client.batch_size, client.lr, client.optimizer, client.momentum, client.weight_decay
-        ),
+        settings=config.client,  # a TrainSettings (and where the client runs, read by client_device)
         seed=config.seed,
         device=client_device(config),
         fail_rounds=config.simulation.fail_fit.get(pid, ()),

@@ -18,11 +18,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
-from .types import NDArrays
 from torch import nn
+
+from .config_roles import RUN_CONFIG
+from .options_builder import DeclaredOptions
+from .schema import Interval, at_least, option
+from .types import NDArrays
 
 
 CUBLAS_DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")  # the settings cuBLAS is deterministic with; first: ours
@@ -137,14 +142,29 @@ class Objective:
 PLAIN = Objective()  # cross-entropy alone, every parameter trained
 
 
+# The most a factor of the optimizer's update (client.lr, client.weight_decay) may be. torch turns it
+# into the float32 parameters' type and refuses one float32 cannot hold (3.4e38): every fit then
+# fails with "value cannot be converted to type float without overflow" and the run goes on at
+# chance, naming nothing. Adam's first step is lr / (1 - β1) = 10·lr, so 1e37 (with room for
+# round-off) is the largest every optimizer takes; an lr anywhere near it diverges in one step anyway.
+OPTIMIZER_FACTOR_MAX = 1e37
+FLOAT32_STEP = "at most 1e37: Adam's first step, 10·lr, must be a float32 number, as the parameters are"
+LEARNING_RATE = Interval(0, OPTIMIZER_FACTOR_MAX, closed="right")  # client.lr, and any lr a task trains with
+
+
 @dataclass(frozen=True)
-class TrainSettings:
-    epochs: int
-    batch_size: int
-    lr: float
-    optimizer: str
-    momentum: float
-    weight_decay: float
+class TrainSettings(DeclaredOptions):
+    """How a client trains: the config's ``client`` keys (less ``device``), declared here once. Every
+    engine's training reads this type; a task that trains with other epochs or another learning rate
+    (Ditto's personal model) replaces those fields, checked against the same declarations."""
+
+    epochs: int = option(1, at_least(1), roles=(RUN_CONFIG,))
+    batch_size: int = option(32, at_least(1), roles=(RUN_CONFIG,))
+    lr: float = option(0.05, LEARNING_RATE, note=FLOAT32_STEP, roles=(RUN_CONFIG,))
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = option(0.0, Interval(0, 1, closed="left"))
+    weight_decay: float = option(0.0, Interval(0, OPTIMIZER_FACTOR_MAX),
+                                 note="at most 1e37: it multiplies the float32 parameters in every step")
 
 
 def make_optimizer(model: nn.Module, settings: TrainSettings, objective: Objective = PLAIN) -> torch.optim.Optimizer:
@@ -294,8 +314,12 @@ def selection_score_inputs(
 
 
 @torch.no_grad()
-def gradient_step(model: nn.Module, gradients: list[torch.Tensor], lr: float) -> None:
-    """w <- w - lr * grad, in place, for every parameter (plain SGD's step, without momentum)."""
+def gradient_step(model: nn.Module, gradients: list[torch.Tensor], settings: TrainSettings) -> None:
+    """One step of the client's optimizer (:func:`make_optimizer`, so ``settings.lr`` is applied
+    where every unstacked training applies it) on ``gradients`` (``state_dict`` order of the
+    parameters), in place: with plain SGD, w <- w - lr * grad."""
     parameters = dict(model.named_parameters())
     for name, gradient in zip([n for n in model.state_dict() if n in parameters], gradients):
-        parameters[name].add_(gradient, alpha=-lr)
+        parameters[name].grad = gradient
+    make_optimizer(model, settings).step()
+    model.zero_grad(set_to_none=True)

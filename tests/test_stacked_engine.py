@@ -7,7 +7,8 @@ trap), with an engine error injected (the run stops, no client is blamed) and ou
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from fedcluster_flwr.engines.stacked import (
     ClientBatchData, StackedOptimizer, evaluation_sums, stack_parameters, train_stacked, train_steps,
 )
 from fedcluster_flwr.models import MODELS, build_model
+from fedcluster_flwr.schema import ConfigError
 from fedcluster_flwr.algorithms.fedprox.math import ProximalTerm
 from fedcluster_flwr.training import PLAIN, Objective, TrainSettings, evaluate, train
 
@@ -287,8 +289,11 @@ def test_clients_without_samples_take_no_step_and_report_nan():
 
 def test_the_stacked_optimizer_names_the_optimizers_it_knows():
     params = stack_parameters(plain_models(2), CPU)
+    with pytest.raises(ConfigError, match=r"^optimizer: expected one of sgd, adam; got 'rmsprop'"):
+        replace(SGD, optimizer="rmsprop")  # the settings type refuses it first, wherever it is made
+    unchecked = SimpleNamespace(**(asdict(SGD) | {"optimizer": "rmsprop"}))  # settings that skip the declarations
     with pytest.raises(ValueError, match=r"knows the optimizers \('sgd', 'adam'\), not 'rmsprop'"):
-        StackedOptimizer(params, replace(SGD, optimizer="rmsprop"), list(params))
+        StackedOptimizer(params, unchecked, list(params))
 
 
 def test_resident_copies_are_kept_up_to_the_byte_limit_and_freed_with_their_tensors():

@@ -174,7 +174,7 @@ def step_best_model(client: ClusterClient, inputs: TaskInput, models: list[nn.Mo
     chosen = int(metrics[SELECTED])
     model = models[chosen]
     gradient = gradients[chosen] if chosen in gradients else parameter_gradients(model, losses[chosen])
-    gradient_step(model, gradient, client.settings.lr)
+    gradient_step(model, gradient, client.settings)
     model.cpu()
     metrics[TRAIN_LOSS] = float(losses[chosen].detach()) / (len(y) if reduction == "sum" else 1)
     return TaskOutput({MODEL: get_weights(model)}, len(y), metrics)

@@ -30,6 +30,7 @@ from ...options_builder import DeclaredOptions
 from ...protocol import MODEL
 from ...registry import register
 from ...schema import at_least, option
+from ...training import FLOAT32_STEP, LEARNING_RATE
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS, StableUnderSGD
 from ..base.strategy import Instruction, Reply, StrategySetup
 from ..baselines.strategy import FedAvg
@@ -46,7 +47,7 @@ class DittoOptions(DeclaredOptions):
     # the personal update's epochs and learning rate; null: the client's own (client.epochs, client.lr),
     # as Algorithm 1, where both updates take the same local iterations at the same step size
     personal_epochs: int | None = option(None, at_least(1), note="null: client.epochs")
-    personal_lr: float | None = option(None, at_least(0), note="null: client.lr")
+    personal_lr: float | None = option(None, LEARNING_RATE, note=f"null: client.lr; {FLOAT32_STEP}")
 
     experiment_rules = (StableUnderSGD("lambda_", lr="personal_lr"),)
 
