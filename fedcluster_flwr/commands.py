@@ -52,7 +52,7 @@ class ConsoleProgress:
     def start(self, config: ExperimentConfig, run_dir: Path, completed_round: int, last_round: int) -> None:
         from tqdm import tqdm
 
-        from .experiment import run_title
+        from .plots import run_title
 
         stopping = "" if last_round == config.rounds else f", stopping after round {last_round}"
         print(f"fedcluster: {run_title(config)}, {config.rounds} rounds{stopping} -> {run_dir}", flush=True)

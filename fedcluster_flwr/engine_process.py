@@ -113,7 +113,7 @@ def simulate(job: Job, on_round: Any) -> None:
     needs a SuperLink process and an installed app (a FAB) per run, which ``fedcluster run``'s
     supervision of one process group would have to start, watch and stop (docs/how-to/flwr-run.md,
     "Which Flower API")."""
-    from .experiment import configure_driver_torch
+    from .numerics import configure_driver_torch
 
     configure_driver_torch(job.config)  # before this process's first torch operation; Ray workers inherit the pins
     if job.config.simulation.engine != "ray":

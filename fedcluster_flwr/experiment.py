@@ -1,76 +1,27 @@
 """What the ServerApp, the ClientApp and the CLI share: config -> data, partition, model, client.
 
 Under ``flwr run`` both apps rebuild the experiment config from the run config
-(``config`` names the YAML; the other keys and ``set`` are overrides). Under
-``fedcluster run`` the CLI passes the already validated config to both apps.
+(:mod:`fedcluster_flwr.apps.run_config`); under ``fedcluster run`` the CLI passes the already
+validated config to both apps. The torch switches a config sets for a process are in
+:mod:`fedcluster_flwr.numerics`, the words the plots use in :mod:`fedcluster_flwr.plots`.
 """
 
 from __future__ import annotations
 
 import functools
-import shlex
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from .client import ClientData, ClusterClient, Faults
-from .config import load_config, parse_override
 from .config_sections import ExperimentConfig
 from .data import DatasetPool, Partition, make_partition
 from .data.sources import dataset_pool
 from .models import build_model
-from .numerics import pin_portable_numerics
-from .schema import ConfigError
-from .registry import strategies
-from .training import get_weights, use_deterministic_kernels
-
-APP_ROOT = Path(__file__).resolve().parent.parent  # the project root (or the installed FAB)
-RUN_CONFIG_FILE_KEY = "config"
-RUN_CONFIG_SET_KEY = "set"
-
-
-def resolve_config_path(path: str) -> Path:
-    """Absolute paths as they are; relative ones against the app root, then the cwd."""
-    candidate = Path(path).expanduser()
-    if candidate.is_absolute():
-        return candidate
-    for base in (APP_ROOT, Path.cwd()):
-        if (base / candidate).exists():  # a folder too: load_config then says it is not a file
-            return base / candidate
-    raise ConfigError("config", f"file not found: {path} (looked in {APP_ROOT} and {Path.cwd()})")
-
-
-def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """Dotted overrides carried by a Flower run config; empty strings mean 'keep the YAML'."""
-    overrides = [
-        (key, value)
-        for key, value in sorted(run_config.items())
-        if key not in (RUN_CONFIG_FILE_KEY, RUN_CONFIG_SET_KEY) and value != ""
-    ]
-    overrides += [parse_override(item) for item in shlex.split(str(run_config.get(RUN_CONFIG_SET_KEY, "")))]
-    return overrides
-
-
-@functools.lru_cache(maxsize=8)
-def _config_from_items(items: tuple[tuple[str, Any], ...]) -> tuple[ExperimentConfig, tuple[str, ...]]:
-    run_config = dict(items)
-    path = resolve_config_path(str(run_config.get(RUN_CONFIG_FILE_KEY, "conf/default.yaml")))
-    config, notes = load_config(path, overrides_from_run_config(run_config), strict=True)
-    return config, tuple(notes)
-
-
-def config_from_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
-    """The experiment config of a ``flwr run`` (cached: the ClientApp reads it with every message)."""
-    return _config_from_items(tuple(sorted(run_config.items())))[0]
-
-
-def run_config_notes(run_config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The notes and warnings reading that config gave (ignored keys, fewer clients than groups)."""
-    return _config_from_items(tuple(sorted(run_config.items())))[1]
-
+from .numerics import configure_torch
+from .training import get_weights
 
 @functools.lru_cache(maxsize=4)
 def _partition(config_key: tuple[Any, ...]) -> Partition:
@@ -97,43 +48,6 @@ def experiment_data(config: ExperimentConfig) -> tuple[DatasetPool, Partition]:
     return pool, _partition((dataset, config.partition, config.seed))
 
 
-def use_configured_numerics(config: ExperimentConfig) -> None:
-    """``simulation.portable_numerics``: pin this process's CPU kernels before its first torch op."""
-    if config.simulation.portable_numerics:
-        try:
-            pin_portable_numerics()
-        except ValueError as err:
-            raise ConfigError("simulation.portable_numerics", str(err)) from None
-
-
-def configure_torch(config: ExperimentConfig, clients_here: bool = True) -> None:
-    """Set up this process's torch as ``config`` asks, or refuse what this machine cannot honour:
-    ``simulation.portable_numerics``, ``client.device`` and ``simulation.deterministic``.
-
-    The switches are per process, so each process calls it: :func:`make_client` in every client's
-    (under ``flwr run`` the first to read the config), and ``fedcluster run`` in its driver before
-    Ray starts, so that a mistake is one error line before any worker and the workers inherit the
-    environment pins (the driver's own torch work then follows the clients' rules, as it does when
-    the in-process driver builds the clients). ``clients_here`` False: the clients run on other
-    machines (a Ray cluster's), whose GPUs this one cannot see; each client checks its own.
-    """
-    use_configured_numerics(config)  # first: the pins must precede this process's first torch operation
-    if config.client.device == "cuda" and clients_here and not torch.cuda.is_available():
-        raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
-    if config.simulation.deterministic:
-        try:
-            use_deterministic_kernels()
-        except ValueError as err:
-            raise ConfigError("simulation.deterministic", str(err)) from None
-
-
-def configure_driver_torch(config: ExperimentConfig) -> None:
-    """:func:`configure_torch` in ``fedcluster run``'s own processes (before Ray starts, and in the
-    simulation's process): the clients run on this machine unless ``simulation.ray_address`` joins
-    a cluster, whose machines check their own GPUs."""
-    configure_torch(config, clients_here=config.simulation.ray_address is None)
-
-
 def model_factory(config: ExperimentConfig) -> Callable[[], torch.nn.Module]:
     return functools.partial(build_model, config.model.name, config.input_shape, config.num_classes)
 
@@ -150,23 +64,6 @@ def seeded_weights(config: ExperimentConfig, seed: int) -> list[np.ndarray]:
 
 def initial_weights(config: ExperimentConfig) -> list[np.ndarray]:
     return get_weights(initial_model(config))
-
-
-def run_title(config: ExperimentConfig) -> str:
-    return f"{config.strategy.name} on {config.dataset.name} / {config.partition.name} ({config.partition.num_clients} clients)"
-
-
-def strategy_phase_words() -> dict[str, str]:
-    """How the plots' legend words the registered strategies' phases where "<phase> rounds"
-    (:func:`~fedcluster_flwr.plots.phase_words`' default) would not say it: each strategy class's
-    own phases (``phase_words``: "pretrain" -> "local pretraining") and a gossip strategy's exchange
-    rounds ("dac" -> "dac gossip exchanges", its ``round_word``)."""
-    words: dict[str, str] = {}
-    for name, cls in strategies().items():
-        words.update(cls.phase_words)
-        if cls.round_word != "rounds":
-            words[name] = f"{name} {cls.round_word}"
-    return words
 
 
 def majority_accuracy(labels: np.ndarray, partition: Partition) -> dict[int, float]:

@@ -22,8 +22,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from .schema import ConfigError
+from .training import use_deterministic_kernels
+
+if TYPE_CHECKING:
+    from .config_sections import ExperimentConfig
 
 # Environment variables that steer the CPU kernels' choice; recorded so a comparison can see them.
 NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
@@ -118,3 +125,40 @@ def describe_platform(p: dict[str, str]) -> str:
         f"{p.get('cpu_model') or p.get('cpu_vendor') or 'unknown CPU'} ({p.get('machine')}), torch {p.get('torch')} "
         f"capability {p.get('cpu_capability')}, BLAS {p.get('blas')}" + (f", {pins}" if pins else "")
     )
+
+
+def use_configured_numerics(config: ExperimentConfig) -> None:
+    """``simulation.portable_numerics``: pin this process's CPU kernels before its first torch op."""
+    if config.simulation.portable_numerics:
+        try:
+            pin_portable_numerics()
+        except ValueError as err:
+            raise ConfigError("simulation.portable_numerics", str(err)) from None
+
+
+def configure_torch(config: ExperimentConfig, clients_here: bool = True) -> None:
+    """Set up this process's torch as ``config`` asks, or refuse what this machine cannot honour:
+    ``simulation.portable_numerics``, ``client.device`` and ``simulation.deterministic``.
+
+    The switches are per process, so each process calls it: :func:`make_client` in every client's
+    (under ``flwr run`` the first to read the config), and ``fedcluster run`` in its driver before
+    Ray starts, so that a mistake is one error line before any worker and the workers inherit the
+    environment pins (the driver's own torch work then follows the clients' rules, as it does when
+    the in-process driver builds the clients). ``clients_here`` False: the clients run on other
+    machines (a Ray cluster's), whose GPUs this one cannot see; each client checks its own.
+    """
+    use_configured_numerics(config)  # first: the pins must precede this process's first torch operation
+    if config.client.device == "cuda" and clients_here and not torch.cuda.is_available():
+        raise ConfigError("client.device", "is 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
+    if config.simulation.deterministic:
+        try:
+            use_deterministic_kernels()
+        except ValueError as err:
+            raise ConfigError("simulation.deterministic", str(err)) from None
+
+
+def configure_driver_torch(config: ExperimentConfig) -> None:
+    """:func:`configure_torch` in ``fedcluster run``'s own processes (before Ray starts, and in the
+    simulation's process): the clients run on this machine unless ``simulation.ray_address`` joins
+    a cluster, whose machines check their own GPUs."""
+    configure_torch(config, clients_here=config.simulation.ray_address is None)

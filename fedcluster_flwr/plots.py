@@ -9,11 +9,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .registry import strategies
 from .run_files import RoundRow, read_rounds, read_run_config
+
+if TYPE_CHECKING:
+    from .config_sections import ExperimentConfig
 
 
 PHASE_MARK = {"color": "black", "lw": 0.9, "alpha": 0.7}  # a colour no cluster line takes (_cluster_colours)
@@ -350,3 +354,20 @@ def _mark_phase_changes(ax: Any, rows: Sequence[RoundRow], words: Mapping[str, s
         ax.axvline(after["round"], ls=PHASE_STYLES[k % len(PHASE_STYLES)], **PHASE_MARK,
                    label=f"round {after['round']}: {phase_words(before.get('phase'), words)} → "
                          f"{phase_words(after.get('phase'), words)}")
+
+
+def run_title(config: ExperimentConfig) -> str:
+    return f"{config.strategy.name} on {config.dataset.name} / {config.partition.name} ({config.partition.num_clients} clients)"
+
+
+def strategy_phase_words() -> dict[str, str]:
+    """How the plots' legend words the registered strategies' phases where "<phase> rounds"
+    (:func:`phase_words`' default) would not say it: each strategy class's
+    own phases (``phase_words``: "pretrain" -> "local pretraining") and a gossip strategy's exchange
+    rounds ("dac" -> "dac gossip exchanges", its ``round_word``)."""
+    words: dict[str, str] = {}
+    for name, cls in strategies().items():
+        words.update(cls.phase_words)
+        if cls.round_word != "rounds":
+            words[name] = f"{name} {cls.round_word}"
+    return words

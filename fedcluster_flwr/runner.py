@@ -229,7 +229,8 @@ def _restore(handlers: dict[int, Any]) -> None:
 def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
     """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory, a Ray
     cluster that does not answer; then claim a fresh run's directory (recorder.claim_run_dir)."""
-    from .experiment import configure_driver_torch, experiment_data
+    from .experiment import experiment_data
+    from .numerics import configure_driver_torch
 
     if not resuming:
         check_run_dir_free(run_dir, "--out")  # what is there, before the data are loaded

@@ -376,7 +376,8 @@ def _run_app(case: Case, tmp: Path, stderr: io.StringIO, user_errors: tuple[type
     message they log is the error's."""
     from fedcluster_flwr.config import load_config
     from fedcluster_flwr.data.device import node_data_source
-    from fedcluster_flwr.experiment import config_from_run_config, make_client
+    from fedcluster_flwr.apps.run_config import config_from_run_config
+    from fedcluster_flwr.experiment import make_client
 
     try:
         if case.run_config is not None:

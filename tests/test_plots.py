@@ -22,8 +22,9 @@ from scipy.cluster.hierarchy import fcluster
 from conftest import ROOT
 from fedcluster_flwr import cli
 from fedcluster_flwr.clustering import ClusteringRecord, hierarchical_clustering
-from fedcluster_flwr.experiment import strategy_phase_words
-from fedcluster_flwr.plots import phase_words, plot_client_matrix, plot_comparison, plot_dendrogram, plot_rounds
+from fedcluster_flwr.plots import (
+    phase_words, plot_client_matrix, plot_comparison, plot_dendrogram, plot_rounds, strategy_phase_words,
+)
 from fedcluster_flwr.run_files import format_summary
 
 matplotlib.use("Agg")

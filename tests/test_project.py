@@ -13,7 +13,7 @@ import pytest
 
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.config import load_config
-from fedcluster_flwr.experiment import config_from_run_config, overrides_from_run_config
+from fedcluster_flwr.apps.run_config import config_from_run_config, overrides_from_run_config
 from fedcluster_flwr.schema import ConfigError
 
 

@@ -37,9 +37,11 @@ from ..client import ClientState, ClusterClient
 from ..config_sections import ExperimentConfig
 from ..data.device import DeviceClient, FolderSource, load_device_data, node_data_source
 from ..data.sources import input_format
-from ..experiment import config_from_run_config, configure_torch, make_client
+from ..experiment import make_client
+from ..numerics import configure_torch
 from ..protocol import EVALUATE, IDENTIFY, TRAIN, Task
 from ..training import LocalCompute
+from .run_config import config_from_run_config
 
 
 def make_device_client(config: ExperimentConfig, source: FolderSource) -> DeviceClient:

@@ -52,12 +52,10 @@ from ..config_sections import ExperimentConfig
 from ..data import DataError, cluster_names
 from ..engines.batched import BatchedCompute
 from ..engines.inprocess import BatchedGrid, InProcessGrid, batched_rendezvous, partition_node_configs
-from ..experiment import (
-    config_from_run_config, configure_driver_torch, experiment_data, initial_model, majority_accuracy, run_config_notes,
-    run_title, seeded_weights, strategy_phase_words, use_configured_numerics,
-)
+from ..experiment import experiment_data, initial_model, majority_accuracy, seeded_weights
 from ..models import parameter_names
-from ..numerics import numeric_platform, torch_threads
+from ..numerics import configure_driver_torch, numeric_platform, torch_threads, use_configured_numerics
+from ..plots import run_title, strategy_phase_words
 from ..recorder import RunRecorder, run_dir_name
 from ..registry import strategy_class
 from ..round_log import RoundLog, resume as resume_strategy
@@ -65,6 +63,7 @@ from ..run_files import RoundRow, format_summary, read_summary
 from ..schema import ConfigError, lookup
 from ..training import get_weights
 from .client_app import FedclusterClientApp
+from .run_config import config_from_run_config, run_config_notes
 
 # ---- the one route ----------------------------------------------------------------------------------
 
