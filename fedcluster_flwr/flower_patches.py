@@ -1,5 +1,5 @@
 """Two additions to Flower's simulation engine that change none of its results, installed by
-:func:`fedcluster_flwr.engine_process.simulate` (``fedcluster run``): a speed-up of its message loop,
+:func:`fedcluster_flwr.run_process.simulate` (``fedcluster run``): a speed-up of its message loop,
 and a look at the nodes' contexts (:func:`node_states`), so that a run's checkpoint holds what the
 clients keep on their nodes, as it does on the in-process engines.
 

@@ -1,5 +1,6 @@
-"""Run experiments on Flower's Ray simulation engine (in a process group of their own, see
-:mod:`fedcluster_flwr.engine_process`): fresh runs, resumes, branches.
+"""Run experiments, each in a process group of its own (:mod:`fedcluster_flwr.run_process`: the
+ServerApp on Flower's Ray simulation or on this project's in-process grids, as ``simulation.engine``
+says): fresh runs, resumes, branches.
 
 The life of a run directory:
 
@@ -22,7 +23,7 @@ The life of a run directory:
 Resumes and branches are checked first (:func:`plan_continuation`, no side effects), then run
 (:func:`continue_run`). User mistakes raise :class:`ConfigError` naming the key or flag before
 Ray starts; a simulation that ends early raises :class:`RunFailed`. Nothing here prints: a caller
-watches a run through a :class:`RunProgress` (the CLI's shows a progress bar), which the engine
+watches a run through a :class:`RunProgress` (the CLI's shows a progress bar), which the run's
 process feeds round by round.
 """
 
@@ -45,7 +46,7 @@ from .checkpoints import check_resumable, check_strategy_names, checkpoint_array
 from .config import config_differences, config_to_dict, left_with_engine, load_config, parse_override, tree_at
 from .config_roles import EXECUTION, FIXED_ON_BRANCH, keys_with
 from .config_sections import ExperimentConfig
-from .engine_process import OUTPUT, USER, Job, check_ray_address, encode_job
+from .run_process import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
 from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary, run_folder_entries
@@ -80,8 +81,8 @@ def run_experiment(
     resume_from: int = 0,
     stop_after: int | None = None,
 ) -> dict[str, Any]:
-    """Run one experiment on Flower's Ray simulation engine in a process of its own (see
-    :mod:`fedcluster_flwr.engine_process`); return its summary.
+    """Run one experiment in a process of its own, on the engine its config names (see
+    :mod:`fedcluster_flwr.run_process`); return its summary.
 
     ``resume_from`` > 0 continues the run in ``run_dir`` from its checkpoint at that round;
     ``stop_after`` stops it, checkpointed, after that round (before ``config.rounds``);
@@ -100,7 +101,7 @@ def run_experiment(
         if progress is not None:
             progress.start(config, run_dir, resume_from, last_round)
         try:
-            _run_engine(Job(config, run_dir, resume_from, stop_after, verbose), progress)
+            _run_in_own_process(Job(config, run_dir, resume_from, stop_after, verbose), progress)
         finally:
             if progress is not None:
                 progress.close()
@@ -139,13 +140,13 @@ class _Stop(BaseException):
         self.signum = signum
 
 
-def _run_engine(job: Job, progress: RunProgress | None) -> None:
-    """Start the engine process in its own session, pass on its rounds to ``progress`` and re-raise
+def _run_in_own_process(job: Job, progress: RunProgress | None) -> None:
+    """Start the run's process in its own session, pass on its rounds to ``progress`` and re-raise
     its user-facing errors; on a stop signal (or any error here) end its whole process group.
-    Why a separate process group and SIGKILL: see :mod:`fedcluster_flwr.engine_process`."""
+    Why a separate process group and SIGKILL: see :mod:`fedcluster_flwr.run_process`."""
     events_read, events_write = os.pipe()
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parent.parent)  # the engine imports this very code
+    package_root = str(Path(__file__).resolve().parent.parent)  # the run's process imports this very code
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     stopped: list[int] = []
     armed = [True]  # raise at the first stop signal; during the cleanup only note it
@@ -157,19 +158,19 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
             raise _Stop(signum)
 
     handlers = _install(on_signal)
-    engine = None
+    child = None
     error: dict[str, Any] | None = None
     try:
-        engine = subprocess.Popen(
-            [sys.executable, "-m", "fedcluster_flwr.engine_process", str(events_write)],
+        child = subprocess.Popen(
+            [sys.executable, "-m", "fedcluster_flwr.run_process", str(events_write)],
             stdin=subprocess.PIPE, pass_fds=(events_write,), start_new_session=True, env=env,
         )
         os.close(events_write)
         events_write = -1
-        engine.stdin.write(encode_job(job))
-        engine.stdin.flush()  # stdin stays open: it is the engine's lifeline
+        child.stdin.write(encode_job(job))
+        child.stdin.flush()  # stdin stays open: it is the child's lifeline
         with os.fdopen(events_read, "r", closefd=False) as events:
-            for line in events:  # ends when the engine (the only writer) exits
+            for line in events:  # ends when the child (the only writer) exits
                 event = json.loads(line)
                 if "round" in event and progress is not None:
                     progress.round_done(event["round"])
@@ -178,7 +179,7 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
         pass  # the group is ended below; Interrupted is raised after the cleanup
     finally:
         armed[0] = False
-        _end_group(engine)
+        _end_group(child)
         _restore(handlers)
         if events_write >= 0:
             os.close(events_write)
@@ -187,11 +188,11 @@ def _run_engine(job: Job, progress: RunProgress | None) -> None:
         release_unused_claim(job.run_dir)  # stopped while starting: "start it again with the same command" works
         raise Interrupted(stopped[0], job.run_dir)
     if error is not None:
-        raise engine_error(error, job.run_dir)
+        raise run_process_error(error, job.run_dir)
 
 
-def engine_error(event: dict[str, Any], run_dir: Path) -> Exception:
-    """The one-line error for the engine's error event (:func:`.engine_process.error_event`)."""
+def run_process_error(event: dict[str, Any], run_dir: Path) -> Exception:
+    """The one-line error for the run process's error event (:func:`.run_process.error_event`)."""
     if event["kind"] == USER:
         return ConfigError("", event["error"])
     if event["kind"] == OUTPUT:
@@ -199,19 +200,19 @@ def engine_error(event: dict[str, Any], run_dir: Path) -> Exception:
     return RunFailed(f"the simulation failed: {event['error']} (its traceback is above); {what_was_kept(run_dir)}")
 
 
-def _end_group(engine: subprocess.Popen | None) -> None:
-    """SIGKILL the engine's process group (the engine, Ray and everything Ray started) and reap the
-    engine. The group is killed before the engine is reaped: while the engine is not reaped its
-    pid, which is the group's id, cannot be reused by an unrelated process."""
-    if engine is None:
+def _end_group(child: subprocess.Popen | None) -> None:
+    """SIGKILL the run process's group (the run's process, Ray and everything Ray started) and reap
+    the process. The group is killed before it is reaped: while it is not reaped its pid, which is
+    the group's id, cannot be reused by an unrelated process."""
+    if child is None:
         return
     try:
-        os.killpg(engine.pid, signal.SIGKILL)
+        os.killpg(child.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    engine.wait()
-    if engine.stdin is not None:
-        engine.stdin.close()
+    child.wait()
+    if child.stdin is not None:
+        child.stdin.close()
 
 
 def _install(handler: Any) -> dict[int, Any]:

@@ -303,7 +303,7 @@ def nothing_started(monkeypatch):
         raise AssertionError("reached after the output check")
 
     monkeypatch.setattr(experiment, "experiment_data", refuse)
-    monkeypatch.setattr(runner, "_run_engine", refuse)
+    monkeypatch.setattr(runner, "_run_in_own_process", refuse)
 
 
 def test_an_output_folder_under_a_file_is_one_line_before_the_data_are_read(tmp_path, capsys, nothing_started):
@@ -342,7 +342,7 @@ def test_a_full_disk_is_one_line_before_the_data_are_read_and_leaves_nothing(tmp
 def test_a_disk_that_fills_during_the_run_is_one_line_saying_what_was_kept(tmp_path, monkeypatch):
     """No traceback for a full disk mid-run: the engine tells the supervisor, which says in one line
     what is there (the last checkpoint before the disk filled)."""
-    from fedcluster_flwr import engine_process as simulation
+    from fedcluster_flwr import run_process as simulation
     from fedcluster_flwr.apps.server_app import run_in_process
     from fedcluster_flwr.recorder import RunRecorder
 
@@ -360,7 +360,7 @@ def test_a_disk_that_fills_during_the_run_is_one_line_saying_what_was_kept(tmp_p
         run_in_process(config, run_dir)
     event = simulation.error_event(raised.value)
     assert event["kind"] == simulation.OUTPUT
-    message = str(runner.engine_error(event, run_dir))
+    message = str(runner.run_process_error(event, run_dir))
     assert message == (f"the results could not be written in {run_dir} (No space left on device); rounds 1-2 are in "
                        f"{run_dir}, checkpointed (fedcluster resume {run_dir} continues them)")
     assert all(path.exists() for path in named_paths(message)), message

@@ -57,7 +57,7 @@ def one_error_line(err: str) -> str:
 
 def fedcluster(argv: list[str], capsys: Any, monkeypatch: Any) -> tuple[int, str]:
     """``fedcluster ARGV`` in this process; the engine must never start (the mistake is found first)."""
-    monkeypatch.setattr(runner, "_run_engine", lambda *a, **kw: pytest.fail("the engine started"))
+    monkeypatch.setattr(runner, "_run_in_own_process", lambda *a, **kw: pytest.fail("the engine started"))
     code = cli.main([*argv, "--no-progress"])
     return code, capsys.readouterr().err
 

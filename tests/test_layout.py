@@ -147,7 +147,7 @@ def test_a_fedcluster_run_loads_no_superlink_code():
     """The engine process (fedcluster run's Ray, inprocess and batched routes) does not import Flower's
     SuperLink, which loads SQLAlchemy: ~0.8 s of every run's start-up on a 2-core machine (issue #52's
     timing found it; only the `flwr run` route's check of its grid needs the SuperLink's InMemoryGrid)."""
-    probe = ("import sys, fedcluster_flwr.engine_process, fedcluster_flwr.apps.server_app, "
+    probe = ("import sys, fedcluster_flwr.run_process, fedcluster_flwr.apps.server_app, "
              "fedcluster_flwr.apps.client_app, fedcluster_flwr.engines.inprocess; "
              "print(sorted(m for m in sys.modules if m.startswith(('flwr.superlink', 'sqlalchemy'))))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config import load_config, parse_override
-from fedcluster_flwr.engine_process import backend_config
+from fedcluster_flwr.run_process import backend_config
 from fedcluster_flwr.runner import run_experiment
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]  # the `ray` CLI of this interpreter's environment

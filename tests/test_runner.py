@@ -107,7 +107,7 @@ def test_a_run_that_ends_early_is_a_failure_and_its_progress_is_closed(tmp_path,
         (tmp_path / "run").mkdir(exist_ok=True)  # claimed by the preflight
         (tmp_path / "run" / "summary.json").write_text(json.dumps({"completed_rounds": 2}))
 
-    monkeypatch.setattr(runner, "_run_engine", two_rounds)
+    monkeypatch.setattr(runner, "_run_in_own_process", two_rounds)
     progress = RecordedProgress()
     with pytest.raises(runner.RunFailed, match=r"^the run stopped after 2 of 8 rounds; partial results in "):
         runner.run_experiment(config("rounds=8"), tmp_path / "run", progress=progress)

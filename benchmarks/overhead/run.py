@@ -18,7 +18,7 @@ every round every client tests the global model on its own test split), timed fi
   global model), reported on its own as ``eval``.
 * b -- our ``fedavg`` strategy on Flower's Ray engine, as ``fedcluster run`` runs it.
 * c -- Flower's own ``FedAvg`` (``flwr.serverapp.strategy``, the Message API) with our ClientApp,
-  through the same engine (:func:`fedcluster_flwr.engine_process.simulate` with the ServerApp swapped):
+  through the same engine (:func:`fedcluster_flwr.run_process.simulate` with the ServerApp swapped):
   our ClientApp's ``train`` and ``evaluate`` tasks speak Flower's record names, so its stock FedAvg
   drives them.
 * d -- our ``inprocess`` engine (its grid in one process, one torch thread).
@@ -167,7 +167,7 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
     from flwr.serverapp import ServerApp
     from flwr.serverapp.strategy import FedAvg
 
-    from fedcluster_flwr import engine_process
+    from fedcluster_flwr import run_process
     from fedcluster_flwr.apps import server_app
     from fedcluster_flwr.experiment import initial_model
 
@@ -202,9 +202,9 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
     def main(grid, context):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_model(config).state_dict()), num_rounds=args.rounds)
 
-    server_app.ExperimentServerApp = lambda *a, **k: app  # what engine_process.simulate serves
+    server_app.ExperimentServerApp = lambda *a, **k: app  # what run_process.simulate serves
     launched = time.time()
-    engine_process.simulate(engine_process.Job(config, Path(args.run_dir)), on_round=None)
+    run_process.simulate(run_process.Job(config, Path(args.run_dir)), on_round=None)
     return {"launched": launched, "rounds": stamps}
 
 

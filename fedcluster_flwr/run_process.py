@@ -1,6 +1,7 @@
-"""The simulation's own process: ``fedcluster run`` / ``resume`` run Flower's Ray engine here, never
-in the CLI's process, and can therefore always stop it (:func:`fedcluster_flwr.runner.run_experiment`
-starts and supervises this process).
+"""A run's own process: ``fedcluster run`` / ``resume`` run the ServerApp here, on Flower's Ray
+simulation or on this process's grid (``simulation.engine`` inprocess, batched), never in the CLI's
+process, and can therefore always stop it (:func:`fedcluster_flwr.runner.run_experiment` starts and
+supervises this process).
 
 Why a process of its own, in a session of its own. Measured with flwr 1.41 and ray 2.55 when the
 simulation ran inside the CLI's process:
