@@ -18,8 +18,8 @@ os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 
 import numpy as np  # noqa: E402
 
-from fedcluster_flwr.config import config_to_dict  # noqa: E402
-from fedcluster_flwr.config_sections import ExperimentConfig  # noqa: E402
+from fedcluster_flwr.config.load import config_to_dict  # noqa: E402
+from fedcluster_flwr.config.sections import ExperimentConfig  # noqa: E402
 from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
 from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment  # noqa: E402
 

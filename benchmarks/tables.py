@@ -41,13 +41,13 @@ from typing import Any
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
 
 from fedcluster_flwr.checkpoints import checkpoint_round
-from fedcluster_flwr.config import (
+from fedcluster_flwr.config.load import (
     apply_overrides, build_config, config_differences, config_to_dict, left_with_engine, load_config, parse_override,
 )
-from fedcluster_flwr.config_sections import ExperimentConfig
+from fedcluster_flwr.config.sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.run_files import DamagedRunError, read_summary
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 
 # What the repository keeps of a run (branch.json: the run a branch continued, and what it changed).
 SMALL_FILES = ("summary.json", "rounds.jsonl", "config.yaml", "machine.json", "branch.json")
@@ -153,7 +153,7 @@ def set_aside(run_dir: Path) -> Path:
 
 def execution_overrides(engine: str, workers: int | None) -> list[str]:
     """The ``--set`` items that move a run onto ``engine`` (a continuation drops the settings only
-    another engine takes by itself: :func:`fedcluster_flwr.config.left_with_engine`)."""
+    another engine takes by itself: :func:`fedcluster_flwr.config.load.left_with_engine`)."""
     return [f"simulation.engine={engine}"] + ([f"simulation.batched_workers={workers}"] if engine == "batched" and workers else [])
 
 

@@ -27,15 +27,15 @@ from typing import Any
 import yaml
 
 from . import runner
-from .config import ConfigWarning, config_differences, config_to_dict, keys_set_in, load_config, parse_override
-from .config_sections import ExperimentConfig
-from .cost import estimate_cost
+from .config.load import ConfigWarning, config_differences, config_to_dict, keys_set_in, load_config, parse_override
+from .config.sections import ExperimentConfig
+from .config.cost import estimate_cost
 from .data import DataError
 from .files import atomic_write
 from .plots import plot_comparison
 from .recorder import run_dir_name
 from .run_files import RoundRow, format_summary, read_summary
-from .schema import ConfigError, InRegistry, config_keys, lookup
+from .config.schema import ConfigError, InRegistry, config_keys, lookup
 from .registry import strategies
 
 EXIT_USER_ERROR = 2

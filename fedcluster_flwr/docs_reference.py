@@ -1,8 +1,8 @@
 """Generate the docs' reference pages from what the code declares, so that they cannot drift.
 
 * ``docs/reference/config.md``: every config key with its type, default and constraint, read from
-  the config dataclasses (``config_sections.py``), their ``option(...)`` metadata and class ``rules`` /
-  ``experiment_rules`` (``schema.py``), and each partitioner's and strategy's options dataclass;
+  the config dataclasses (``config/sections.py``), their ``option(...)`` metadata and class ``rules`` /
+  ``experiment_rules`` (``config/schema.py``), and each partitioner's and strategy's options dataclass;
   the description is the comment written beside (or just above) the field in the source.
 * ``docs/reference/cli.md``: every ``fedcluster`` command and argument, read from
   :func:`fedcluster_flwr.commands.build_parser`.
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from .algorithms.base.options import NeedsSetting, StableUnderSGD
-from .config_roles import roles_text
-from .config_sections import (
+from .config.roles import roles_text
+from .config.sections import (
     ClientConfig,
     DatasetConfig,
     ExperimentConfig,
@@ -43,8 +43,8 @@ from .config_sections import (
     SimulationConfig,
 )
 from .data.partitions import PARTITIONERS
-from .options_builder import type_name
-from .schema import (
+from .config.options import type_name
+from .config.schema import (
     CONSTRAINTS,
     NOTE,
     AtMostOne,
@@ -117,7 +117,7 @@ def description(cls: type, field: dataclasses.Field) -> str:
     note = field.metadata.get(NOTE)
     if note:
         text = f"{text} ({note})" if text else note
-    if roles := roles_text(field):  # declared roles (fedcluster_flwr.config_roles), in the reader's words
+    if roles := roles_text(field):  # declared roles (fedcluster_flwr.config.roles), in the reader's words
         text = f"{text} [{roles}]" if text else f"[{roles}]"
     return text
 
@@ -258,7 +258,7 @@ def config_page() -> str:
         GENERATED,
         "",
         "Every key of an experiment YAML, with its type, its default and what a valid value is, as the",
-        "code declares them (`fedcluster_flwr/config_sections.py`, `fedcluster_flwr/schema.py`, each partitioner's",
+        "code declares them (`fedcluster_flwr/config/sections.py`, `fedcluster_flwr/config/schema.py`, each partitioner's",
         "and strategy's options dataclass). A value outside its constraint stops the run with one `error:`",
         "line naming the key; so does any number that is not finite (`.inf`, `.nan`, `1e309`) or any integer",
         "beyond 64 bits, whatever the key. How the file and `--set` overrides work: [Configuration](configuration.md).",

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .client import ClientData, ClusterClient, Faults
-from .config_sections import ExperimentConfig
+from .config.sections import ExperimentConfig
 from .data import DatasetPool, Partition, make_partition
 from .data.sources import dataset_pool
 from .models import build_model

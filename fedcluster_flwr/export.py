@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import yaml
 
-from .config import config_to_dict
-from .config_sections import ExperimentConfig
+from .config.load import config_to_dict
+from .config.sections import ExperimentConfig
 from .data.device import CLIENT_ID, CLUSTER_ID, DATA_DIR, MANIFEST_FILE, NPZ_FILE, SPLITS
 from .data.sources import normalization
 from .experiment import client_data, experiment_data

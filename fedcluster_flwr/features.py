@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .schema import ConfigError
+from .config.schema import ConfigError
 
 FEATURES = ("identity", "random_projection", "pretrained")
 PRETRAINED_DIM = 512  # ResNet-18's pooled features

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .schema import ConfigError
+from .config.schema import ConfigError
 from .training import use_deterministic_kernels
 
 if TYPE_CHECKING:
-    from .config_sections import ExperimentConfig
+    from .config.sections import ExperimentConfig
 
 # Environment variables that steer the CPU kernels' choice; recorded so a comparison can see them.
 NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")

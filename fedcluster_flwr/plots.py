@@ -17,7 +17,7 @@ from .registry import strategies
 from .run_files import RoundRow, read_rounds, read_run_config
 
 if TYPE_CHECKING:
-    from .config_sections import ExperimentConfig
+    from .config.sections import ExperimentConfig
 
 
 PHASE_MARK = {"color": "black", "lw": 0.9, "alpha": 0.7}  # a colour no cluster line takes (_cluster_colours)

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-from .config_roles import check_same_meaning
-from .schema import ConfigError
+from .config.roles import check_same_meaning
+from .config.schema import ConfigError
 
 if TYPE_CHECKING:
     from .protocol import Task

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .schema import ConfigError
+from .config.schema import ConfigError
 
 RoundRow = dict[str, Any]
 

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config_roles import RUN_CONFIG
-from .options_builder import DeclaredOptions
-from .schema import Interval, at_least, option
+from .config.roles import RUN_CONFIG
+from .config.options import DeclaredOptions
+from .config.schema import Interval, at_least, option
 from .types import NDArrays
 
 

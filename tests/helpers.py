@@ -18,7 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
-from fedcluster_flwr.config import config_to_dict, load_config
+from fedcluster_flwr.config.load import config_to_dict, load_config
 from fedcluster_flwr.protocol import ACCURACY, EVALUATE, IDENTIFY, METRICS, MODEL, MODELS, NUM_EXAMPLES, TEST_LOSS, Task
 from fedcluster_flwr.algorithms.base.directory import Federation
 from fedcluster_flwr.engines.inprocess import InProcessGrid

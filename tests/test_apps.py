@@ -26,7 +26,7 @@ from fedcluster_flwr.apps.server_app import (
     node_states,
     start_flwr_run,
 )
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.data.device import NodeConfigError
 from fedcluster_flwr.engines.inprocess import InProcessGrid, partition_node_configs
 from fedcluster_flwr.run_files import format_summary, read_summary

@@ -71,7 +71,7 @@ class Case:
 def a_run(tmp: Path, done: int = 3, clients: int = 20) -> Path:
     """A run directory as `fedcluster run --stop-after 3` leaves it, with a structurally complete
     FL+HC checkpoint (its arrays are placeholders)."""
-    from fedcluster_flwr.config import config_to_dict, load_config
+    from fedcluster_flwr.config.load import config_to_dict, load_config
 
     run = tmp / "run"
     (run / "checkpoint").mkdir(parents=True)
@@ -348,7 +348,7 @@ def run_case(case: Case, tmp: Path) -> tuple[int, str]:
     simulation fails: its mistake was not found before Ray started."""
     from fedcluster_flwr import cli
     from fedcluster_flwr.data import DataError
-    from fedcluster_flwr.schema import ConfigError
+    from fedcluster_flwr.config.schema import ConfigError
 
     if case.setup is not None:
         case.setup(tmp)
@@ -374,7 +374,7 @@ def run_case(case: Case, tmp: Path) -> tuple[int, str]:
 def _run_app(case: Case, tmp: Path, stderr: io.StringIO, user_errors: tuple[type[Exception], ...]) -> int:
     """What the ServerApp (run config) or the ClientApp (node config) does with the input; the
     message they log is the error's."""
-    from fedcluster_flwr.config import load_config
+    from fedcluster_flwr.config.load import load_config
     from fedcluster_flwr.data.device import node_data_source
     from fedcluster_flwr.apps.run_config import config_from_run_config
     from fedcluster_flwr.experiment import make_client

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 
 TINY = ("strategy.name=fedavg", "rounds=3", "partition.num_clients=6", "partition.num_groups=2", "client.epochs=1", "seed=1",
         "simulation.engine=inprocess")

@@ -16,10 +16,10 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from helpers import DIM, Received, assert_same_state, synthetic_grid, synthetic_round, flat, make_setup, select_metrics, unflatten
 from fedcluster_flwr.algorithms.cfl.math import bipartition
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.run_files import format_summary
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 from fedcluster_flwr.algorithms.cfl.math import cosine_similarity
 from fedcluster_flwr.algorithms.cfl.strategy import CFL, CFLOptions
 from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED

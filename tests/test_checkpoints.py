@@ -17,7 +17,7 @@ from helpers import assert_same_state, rows_without_timing
 from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.checkpoints import load_checkpoint
 

@@ -13,7 +13,7 @@ import yaml
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import cli, commands, runner
-from fedcluster_flwr.config import config_to_dict
+from fedcluster_flwr.config.load import config_to_dict
 from helpers import finished_looking_run
 
 
@@ -212,8 +212,8 @@ def test_a_stopped_compare_is_completed_on_another_engine(tmp_path, monkeypatch)
 def test_a_checkpoint_copied_in_from_another_run_is_named_not_the_config(tmp_path):
     """Real checkpoints (written by the in-process driver) carry their round's row digest."""
     from fedcluster_flwr.apps.server_app import run_in_process
-    from fedcluster_flwr.config import load_config, parse_override
-    from fedcluster_flwr.schema import ConfigError
+    from fedcluster_flwr.config.load import load_config, parse_override
+    from fedcluster_flwr.config.schema import ConfigError
 
     def tiny(*extra):
         return load_config(DEFAULT_CONFIG, [parse_override(o) for o in TINY[1::2] + list(extra)])[0]

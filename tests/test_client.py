@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.apps.client_app import FedclusterClientApp
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of, partition_node_configs
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
 from fedcluster_flwr.algorithms.base.selection import TRAIN_SELECT
@@ -155,7 +155,7 @@ def test_the_largest_lr_and_weight_decay_a_config_takes_never_overflow_the_optim
     from types import SimpleNamespace
 
     from fedcluster_flwr.training import OPTIMIZER_FACTOR_MAX
-    from fedcluster_flwr.schema import ConfigError
+    from fedcluster_flwr.config.schema import ConfigError
     from fedcluster_flwr.training import train
 
     cfg = config(f"client.lr={OPTIMIZER_FACTOR_MAX}", f"client.weight_decay={OPTIMIZER_FACTOR_MAX}",
@@ -210,7 +210,7 @@ def test_the_client_app_serves_every_registered_task_under_its_message_type():
         "before = list(registry.HANDLERS)\n"
         "from flwr.app import ConfigRecord, Message, RecordDict\n"
         "from fedcluster_flwr.apps.client_app import FedclusterClientApp\n"
-        "from fedcluster_flwr.config import load_config\n"
+        "from fedcluster_flwr.config.load import load_config\n"
         "from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of, partition_node_configs\n"
         f"config, _ = load_config({str(DEFAULT_CONFIG)!r})\n"
         "app = FedclusterClientApp(config)\n"

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from conftest import DEFAULT_CONFIG, ROOT
-from fedcluster_flwr.config import (
+from fedcluster_flwr.config.load import (
     apply_overrides,
     build_config,
     config_to_dict,
@@ -19,7 +19,7 @@ from fedcluster_flwr.config import (
     parse_override,
     read_yaml,
 )
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 
 
 def load(*overrides: str):
@@ -277,8 +277,8 @@ def test_every_strategy_swaps_in_on_every_conf_with_one_override(path, strategy,
     """The swapped-in strategy gets the YAML's options that mean the same for it and its own defaults
     for the rest (FL+HC, one-shot HFL and PACFL given no cut cut at the largest silhouette); or, for the
     listed pair only, one error line naming its key and the YAML's strategy."""
-    from fedcluster_flwr.config import carries_over
-    from fedcluster_flwr.schema import config_key
+    from fedcluster_flwr.config.load import carries_over
+    from fedcluster_flwr.config.schema import config_key
     from fedcluster_flwr.registry import strategies
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the pretrained-feature conf's ResNet-18 file, faked
@@ -345,7 +345,7 @@ def test_an_option_of_another_strategy_is_an_error_with_set_but_a_note_in_the_ya
     ],
 )
 def test_fewer_clients_than_the_partitions_groups_is_a_warning_not_an_error(overrides, key, groups):
-    from fedcluster_flwr.config import ConfigWarning
+    from fedcluster_flwr.config.load import ConfigWarning
 
     config, notes = load(*overrides)
     clients = config.partition.num_clients
@@ -358,7 +358,7 @@ def test_fewer_clients_than_the_partitions_groups_is_a_warning_not_an_error(over
 
 
 def test_a_name_in_another_case_or_misspelt_gets_a_did_you_mean():
-    from fedcluster_flwr.schema import closest_name
+    from fedcluster_flwr.config.schema import closest_name
 
     choices = ["digits", "mnist", "fashion_mnist", "cifar10"]
     assert closest_name("MNIST", choices) == "mnist"
@@ -389,7 +389,7 @@ def test_a_share_of_few_test_examples_warns_and_one_of_none_is_refused_naming_th
     a word) is refused when the partition is made, naming the option and the count."""
     import numpy as np
 
-    from fedcluster_flwr.config import ConfigWarning
+    from fedcluster_flwr.config.load import ConfigWarning
     from fedcluster_flwr.data.partition_options import IidOptions
     from fedcluster_flwr.data.partitions import make_partition
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.client import TaskInput
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
 from fedcluster_flwr.protocol import MODEL, MODELS
 from fedcluster_flwr.algorithms.dac.math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
@@ -458,7 +458,7 @@ def test_a_pens_client_merges_only_its_lowest_loss_neighbours(monkeypatch):
      r"strategy.selection_candidates: must be below partition.num_clients \(20\)"),
 ])
 def test_the_gossip_options_errors_name_the_key(overrides, message):
-    from fedcluster_flwr.schema import ConfigError
+    from fedcluster_flwr.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])

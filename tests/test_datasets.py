@@ -51,7 +51,7 @@ def test_unit_scaling_keeps_the_inputs_in_0_1_and_reaches_the_clients(digits):
     x, _ = digits.tensors(np.arange(1797), standardize=False)
     torch.testing.assert_close(x, digits.images.to(torch.float32) / 16.0)
     from conftest import DEFAULT_CONFIG
-    from fedcluster_flwr.config import load_config
+    from fedcluster_flwr.config.load import load_config
     from fedcluster_flwr.experiment import client_data
 
     config, _ = load_config(DEFAULT_CONFIG, [("dataset.scaling", "unit")])

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcluster_flwr.config import build_config, load_config
-from fedcluster_flwr.config_sections import (
+from fedcluster_flwr.config.load import build_config, load_config
+from fedcluster_flwr.config.sections import (
     ClientConfig,
     DatasetConfig,
     ExperimentConfig,
@@ -35,9 +35,9 @@ from fedcluster_flwr.config_sections import (
     SimulationConfig,
 )
 from fedcluster_flwr.data.partitions import PARTITIONERS
-from fedcluster_flwr.options_builder import INT64, DeclaredOptions, coerce
+from fedcluster_flwr.config.options import INT64, DeclaredOptions, coerce
 from fedcluster_flwr.registry import strategies
-from fedcluster_flwr.schema import (
+from fedcluster_flwr.config.schema import (
     CONSTRAINTS,
     ConfigError,
     HostPort,

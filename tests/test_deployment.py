@@ -447,7 +447,7 @@ def test_supernodes_on_another_machine_reach_a_superlink_listening_on_all_addres
 SIMULATE = """
 import sys
 from pathlib import Path
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
 overrides = [parse_override(item) for item in sys.argv[2].split()]
 config, _ = load_config(sys.argv[1], overrides)

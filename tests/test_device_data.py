@@ -12,7 +12,7 @@ from flwr.app import Context, RecordDict
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.cli import main
 from fedcluster_flwr.apps.client_app import FedclusterClientApp
-from fedcluster_flwr.config import load_config
+from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.data import DataError
 from fedcluster_flwr.data.device import NodeConfigError, load_device_data, node_data_source
 from fedcluster_flwr.data.sources import InputFormat, input_format

@@ -34,10 +34,10 @@ def test_reference_page_is_generated_from_the_code(page):
 
 
 def test_every_config_key_is_in_the_reference():
-    from fedcluster_flwr.config import config_to_dict, load_config
+    from fedcluster_flwr.config.load import config_to_dict, load_config
 
     page = docs_reference.CONFIG_PAGE.read_text()
-    from fedcluster_flwr.schema import ConfigError
+    from fedcluster_flwr.config.schema import ConfigError
 
     for conf in sorted((ROOT / "conf").glob("*.yaml")):
         try:

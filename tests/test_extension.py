@@ -15,13 +15,13 @@ from conftest import DEFAULT_CONFIG, ROOT
 from helpers import connect_test_run, assert_same_state, rows_without_timing
 from fedcluster_flwr import registry
 from fedcluster_flwr.client import TaskInput, TaskOutput
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
 from fedcluster_flwr.checkpoints import load_checkpoint
-from fedcluster_flwr.options_builder import DeclaredOptions, from_mapping
-from fedcluster_flwr.schema import ConfigError, at_least, option
+from fedcluster_flwr.config.options import DeclaredOptions, from_mapping
+from fedcluster_flwr.config.schema import ConfigError, at_least, option
 from fedcluster_flwr.algorithms.base import HOOKS, ClusteredStrategy, Instruction, Reply
 from fedcluster_flwr.round_log import resume
 from fedcluster_flwr.training import evaluate

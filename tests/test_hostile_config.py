@@ -30,9 +30,9 @@ import yaml
 
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr import cli, runner
-from fedcluster_flwr.config import config_to_dict, load_config, parse_override
-from fedcluster_flwr.options_builder import from_mapping
-from fedcluster_flwr.schema import ConfigError, Interval, above, option
+from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
+from fedcluster_flwr.config.options import from_mapping
+from fedcluster_flwr.config.schema import ConfigError, Interval, above, option
 
 # Modules this issue added are imported where they are used, so that on the code before it each
 # test fails on its own assertion rather than all of them on an import.
@@ -266,7 +266,7 @@ def test_dry_run_prints_the_resolved_config_and_its_cost_and_runs_nothing(capsys
 
 
 def test_the_cost_of_the_default_config_is_the_one_messages_compare_with_and_no_shipped_config_warns():
-    from fedcluster_flwr.cost import DEFAULT_CONFIG_PASSES, WARN_PASSES, estimate_cost
+    from fedcluster_flwr.config.cost import DEFAULT_CONFIG_PASSES, WARN_PASSES, estimate_cost
 
     default, _ = load_config(DEFAULT_CONFIG)
     assert estimate_cost(default).passes == pytest.approx(DEFAULT_CONFIG_PASSES, rel=1e-4)
@@ -279,7 +279,7 @@ def test_the_cost_of_the_default_config_is_the_one_messages_compare_with_and_no_
 
 
 def test_the_cost_counts_the_clients_a_round_trains_and_the_gossip_strategies_pretraining():
-    from fedcluster_flwr.cost import estimate_cost
+    from fedcluster_flwr.config.cost import estimate_cost
 
     fedavg, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in (
         "strategy.name=fedavg", "strategy.client_fraction=0.25", "partition.num_clients=10", "rounds=4",

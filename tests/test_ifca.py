@@ -14,12 +14,12 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.client import TaskInput, round_seed
 from fedcluster_flwr.clustering import purity
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import initial_weights, make_client
 from fedcluster_flwr.protocol import MODELS, TRAIN
 from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.round_log import resume
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED
 from fedcluster_flwr.algorithms.multimodel.strategy import IFCA, GradLoss, GradLossOptions, IFCAOptions
 from fedcluster_flwr.algorithms.base.selection import (

@@ -58,7 +58,7 @@ def test_re_recording_some_cases_on_another_platform_is_refused(tmp_path):
 def test_portable_numerics_pin_the_kernels_of_a_fresh_process_to_avx2_compatible_and_one_thread():
     code = (
         "import json, torch\n"
-        "from fedcluster_flwr.config import load_config, parse_override\n"
+        "from fedcluster_flwr.config.load import load_config, parse_override\n"
         "from fedcluster_flwr.experiment import make_client\n"
         "from fedcluster_flwr.numerics import numeric_platform\n"
         f"config, _ = load_config({str(DEFAULT_CONFIG)!r}, [parse_override('simulation.portable_numerics=true')])\n"

@@ -19,14 +19,14 @@ from fedcluster_flwr import registry
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from fedcluster_flwr.client import local_objective
 from fedcluster_flwr.algorithms.fedprox.math import ProximalTerm
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.engines import batched as batched_module
 from fedcluster_flwr.engines.batched import EngineError
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.engines.stacked import ClientBatchData, train_stacked
 from fedcluster_flwr.models import build_model
 from fedcluster_flwr.protocol import OBJECTIVE_KEY, ProtocolError
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 from fedcluster_flwr.training import START, Objective, TrainSettings, train
 
 CPU = torch.device("cpu")

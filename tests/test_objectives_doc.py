@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr import registry
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
 
 PAGE = ROOT / "docs" / "how-to" / "add-algorithm.md"

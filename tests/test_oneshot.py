@@ -15,10 +15,10 @@ import torch
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 from fedcluster_flwr.aggregation import average_layers
 from fedcluster_flwr.algorithms.oneshot.strategy import HFLOptions, OracleHFL
 from fedcluster_flwr.algorithms.oneshot.tasks import (

@@ -13,11 +13,11 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import cluster_square
 from fedcluster_flwr.algorithms.pacfl.math import closest_cluster, principal_angles, proximity_matrix, subspace_proximity
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 from fedcluster_flwr.algorithms.pacfl.strategy import PACFL, PACFLOptions
 from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGENVALUES,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.run_process import backend_config
 from fedcluster_flwr.runner import run_experiment
 

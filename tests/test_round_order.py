@@ -10,7 +10,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.algorithms.dac.strategy import DACOptions, DAC, GossipOptions, RandomGossip
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from helpers import Received, synthetic_grid, connect_test_run, flat, make_setup, random_weights, synthetic_round
 
 

@@ -12,9 +12,9 @@ import yaml
 from conftest import DEFAULT_CONFIG
 from helpers import finished_looking_run
 from fedcluster_flwr import runner
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 
 
 def config(*overrides: str):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.numerics import is_portable
 from fedcluster_flwr.run_files import read_rounds

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.engines import batched as batched_module
 from fedcluster_flwr.engines import stacked
 from fedcluster_flwr.engines.batched import BatchPolicy, EngineError, Request, execute
@@ -25,7 +25,7 @@ from fedcluster_flwr.engines.stacked import (
     ClientBatchData, StackedOptimizer, evaluation_sums, stack_parameters, train_stacked, train_steps,
 )
 from fedcluster_flwr.models import MODELS, build_model
-from fedcluster_flwr.schema import ConfigError
+from fedcluster_flwr.config.schema import ConfigError
 from fedcluster_flwr.algorithms.fedprox.math import ProximalTerm
 from fedcluster_flwr.training import PLAIN, Objective, TrainSettings, evaluate, train
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import DEFAULT_CONFIG, ROOT
-from fedcluster_flwr.config import config_to_dict, load_config, parse_override
+from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from tables import StaleCopyError, TableRun, advance, collapsed_clients, listed_state  # noqa: E402

@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 from conftest import DEFAULT_CONFIG  # noqa: E402
 
-from fedcluster_flwr.config import load_config, parse_override  # noqa: E402
+from fedcluster_flwr.config.load import load_config, parse_override  # noqa: E402
 from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
 from fedcluster_flwr.numerics import describe_platform, numeric_platform, same_numeric_platform  # noqa: E402
 

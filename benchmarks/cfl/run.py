@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import ENGINES, mean_std, run_or_reuse  # noqa: E402
 
-from fedcluster_flwr.config import load_config  # noqa: E402
+from fedcluster_flwr.config.load import load_config  # noqa: E402
 from fedcluster_flwr.run_files import read_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

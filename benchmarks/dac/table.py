@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.config import load_config, parse_override
+from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.run_files import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py

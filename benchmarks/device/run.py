@@ -61,7 +61,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FEDCLUSTER_SYNC_DEBUG", "warn")  # a host sync inside the stacked step loop is logged on a GPU
 
-from fedcluster_flwr.config import load_config, parse_override  # noqa: E402
+from fedcluster_flwr.config.load import load_config, parse_override  # noqa: E402
 from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
 from tables import SMALL_FILES, StaleCopyError, kept_copy  # noqa: E402
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES  # noqa: E402
 
-from fedcluster_flwr.config import load_config, parse_override  # noqa: E402
+from fedcluster_flwr.config.load import load_config, parse_override  # noqa: E402
 from fedcluster_flwr.runner import run_experiment  # noqa: E402
 
 DECISIONS = ("fit_clients", "num_clusters", "fit_failures", "rejected_updates", "bytes_up")

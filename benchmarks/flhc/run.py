@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import value_at  # noqa: E402
 
-from fedcluster_flwr.config import config_to_dict, load_config  # noqa: E402
+from fedcluster_flwr.config.load import config_to_dict, load_config  # noqa: E402
 from fedcluster_flwr.plots import plot_comparison  # noqa: E402
 from fedcluster_flwr.run_files import read_rounds  # noqa: E402
 from fedcluster_flwr.runner import run_experiment  # noqa: E402

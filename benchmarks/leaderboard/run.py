@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcluster_flwr.config import build_config
+from fedcluster_flwr.config.load import build_config
 from fedcluster_flwr.run_files import read_rounds
 from fedcluster_flwr.registry import strategies
 
@@ -255,7 +255,7 @@ def names(text: str, known: dict[str, Any], flag: str) -> list[str]:
 
 
 def main() -> None:
-    from fedcluster_flwr.config import parse_override
+    from fedcluster_flwr.config.load import parse_override
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", choices=sorted(SCALES), default="reduced")

@@ -23,7 +23,7 @@ import torch
 
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, within_and_across
-from fedcluster_flwr.config import load_config
+from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.experiment import experiment_data, make_client
 from fedcluster_flwr.algorithms.oneshot.strategy import feature_config
 from fedcluster_flwr.algorithms.oneshot.tasks import (

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedcluster_flwr.config import load_config
+from fedcluster_flwr.config.load import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run.py's helpers

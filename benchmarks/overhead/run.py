@@ -68,7 +68,7 @@ CORES = os.cpu_count() or 1
 
 
 def bench_config(overrides: list[str], rounds: int | None = None):
-    from fedcluster_flwr.config import load_config, parse_override
+    from fedcluster_flwr.config.load import load_config, parse_override
 
     extra = [f"rounds={rounds}"] if rounds is not None else []
     config, _ = load_config(CONF, [parse_override(o) for o in (*BASE_OVERRIDES, *overrides, *extra)])

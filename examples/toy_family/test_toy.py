@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.config import load_config
+from fedcluster_flwr.config.load import load_config
 
 CONF = Path(__file__).with_name("toy.yaml")
 

@@ -34,7 +34,7 @@ from flwr.clientapp import ClientApp
 
 from .. import protocol, registry
 from ..client import ClientState, ClusterClient
-from ..config_sections import ExperimentConfig
+from ..config.sections import ExperimentConfig
 from ..data.device import DeviceClient, FolderSource, load_device_data, node_data_source
 from ..data.sources import input_format
 from ..experiment import make_client

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ..options_builder import DeclaredOptions
-from ..schema import REQUIRED, ConfigError, describe, did_you_mean, join_key, option
+from ..config.options import DeclaredOptions
+from ..config.schema import REQUIRED, ConfigError, describe, did_you_mean, join_key, option
 from .hf import import_optional
 from .partitions import PARTITIONERS, ClientTransform, Partitioner, PartitionRequest, PartitionResult
 

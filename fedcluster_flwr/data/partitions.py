@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..schema import ConfigError, require
+from ..config.schema import ConfigError, require
 from .partition_options import (
     ClassSubsetsOptions,
     DirichletOptions,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..schema import ConfigError
+from ..config.schema import ConfigError
 
 
 class LabelPools:

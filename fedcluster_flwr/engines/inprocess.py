@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from ..config_sections import ExperimentConfig
+from ..config.sections import ExperimentConfig
 from ..experiment import client_device
 from ..protocol import IDENTIFY
 from .batched import CPU_UNSTACKED_MODELS, BatchPolicy, EngineError, Rendezvous, cpu_threads, default_memory_bytes, execute

@@ -6,7 +6,7 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedcluster_flwr.apps.server_app import plan_run
-from fedcluster_flwr.config import load_config
+from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.experiment import initial_model
 
 # Create ServerApp

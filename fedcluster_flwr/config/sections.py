@@ -1,9 +1,9 @@
 """The experiment config's sections, declared: each YAML key as a dataclass field with its type,
-default and constraints (:mod:`fedcluster_flwr.schema`), and the whole config
+default and constraints (:mod:`fedcluster_flwr.config.schema`), and the whole config
 (:class:`ExperimentConfig`).
 
 ``partition`` and ``strategy`` hold, besides their own keys, the options dataclass of the
-partitioner / strategy they name; :mod:`fedcluster_flwr.config` reads the YAML and overrides
+partitioner / strategy they name; :mod:`fedcluster_flwr.config.load` reads the YAML and overrides
 into these.
 """
 
@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .data.sources import DATASET_SOURCES, HF, dataset_shape
-from .models import MODELS, RENAMED as RENAMED_MODELS
-from .config_roles import EXECUTION, FIXED_ON_BRANCH, RUN_CONFIG, no_effect_under_flwr_run
-from .options_builder import DeclaredOptions
-from .training import TrainSettings
+from ..data.sources import DATASET_SOURCES, HF, dataset_shape
+from ..models import MODELS, RENAMED as RENAMED_MODELS
+from .roles import EXECUTION, FIXED_ON_BRANCH, RUN_CONFIG, no_effect_under_flwr_run
+from .options import DeclaredOptions
+from ..training import TrainSettings
 from .schema import (
     REQUIRED,
     HostPort,

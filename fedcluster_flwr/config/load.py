@@ -2,19 +2,19 @@
 
 The YAML has the sections ``dataset``, ``partition``, ``model``, ``client``,
 ``strategy``, ``simulation`` and ``faults`` plus a few top-level keys, declared in
-:mod:`fedcluster_flwr.config_sections`; this module reads, overrides, checks and builds them
+:mod:`fedcluster_flwr.config.sections`; this module reads, overrides, checks and builds them
 (and turns a config back into plain data). ``partition`` and
 ``strategy`` take the options of the partitioner / strategy they name. A key that
 belongs to a *different* registered partitioner or strategy is ignored with a
 note; a key that belongs to none is an error.
 
-The YAML is read by :mod:`fedcluster_flwr.config_file`, which refuses what a config cannot mean
+The YAML is read by :mod:`fedcluster_flwr.config.file`, which refuses what a config cannot mean
 (a key given twice, aliases, a file too big); a config whose run would cost far more than any
-experiment here (:mod:`fedcluster_flwr.cost`) loads with a warning.
+experiment here (:mod:`fedcluster_flwr.config.cost`) loads with a warning.
 
 Swapping strategies (:func:`swap_strategy`): an override that changes ``strategy.name`` keeps of
 the YAML's strategy options only those that mean the same for the new strategy
-(options declared with the role ``SAME_MEANING``, :mod:`fedcluster_flwr.config_roles`, and options
+(options declared with the role ``SAME_MEANING``, :mod:`fedcluster_flwr.config.roles`, and options
 both inherit from one declaration); the others are
 dropped with a note, since a value written for one algorithm (FL+HC's l1 ``threshold: 20``) is
 not a value for another (one-shot's ``threshold`` on 1 - R in (0, 1)).
@@ -29,16 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config_file import parse_value, read_yaml
-from .config_roles import SAME_MEANING
-from .config_sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, SimulationConfig, StrategyConfig
+from .file import parse_value, read_yaml
+from .roles import SAME_MEANING
+from .sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, SimulationConfig, StrategyConfig
 from .cost import POOL_SIZES, estimate_cost
-from .data.partition_options import group_count
-from .data.partitions import PARTITIONERS
-from .models import MODELS
-from .options_builder import check_in_experiment, from_mapping, to_plain
+from ..data.partition_options import group_count
+from ..data.partitions import PARTITIONERS
+from ..models import MODELS
+from .options import check_in_experiment, from_mapping, to_plain
 from .schema import ConfigError, InRegistry, OnlyWith, as_yaml, config_key, config_keys, describe, require, unknown_key_message
-from .registry import strategies
+from ..registry import strategies
 
 
 # ---- overrides ---------------------------------------------------------------------
@@ -212,7 +212,7 @@ class ConfigWarning(str):
 
 def _warnings(config: ExperimentConfig) -> list[str]:
     """What runs but probably not as meant: a run far longer than any experiment here
-    (:mod:`fedcluster_flwr.cost`: a typo such as ``client.epochs=1000000000``, or a setting worth a
+    (:mod:`fedcluster_flwr.config.cost`: a typo such as ``client.epochs=1000000000``, or a setting worth a
     second look); fewer clients than the partition's groups leave groups without a client (a study
     of few clients may want exactly that, so no error)."""
     cost = estimate_cost(config)
@@ -241,7 +241,7 @@ MIN_EVALUATION_EXAMPLES = 10
 def _few_evaluation_examples(config: ExperimentConfig) -> list[str]:
     """A warning where ``partition.test_fraction`` (or ``val_fraction``) leaves a client of about
     the mean size fewer than :data:`MIN_EVALUATION_EXAMPLES` examples, from the config alone (the
-    samples per client as :mod:`fedcluster_flwr.cost` estimates them); none where it cannot say."""
+    samples per client as :mod:`fedcluster_flwr.config.cost` estimates them); none where it cannot say."""
     partition = config.partition
     pool = POOL_SIZES.get(config.dataset.name)
     samples = partition.samples_per_client or (pool // partition.num_clients if pool else 0)
@@ -261,7 +261,7 @@ def _few_evaluation_examples(config: ExperimentConfig) -> list[str]:
 
 def _check_experiment(config: ExperimentConfig) -> None:
     """Checks that span sections."""
-    from .models import model_outline
+    from ..models import model_outline
 
     shape, num_classes = config.input_shape, config.num_classes  # outside the try: an hf dataset's error is its own
     try:
@@ -315,8 +315,8 @@ def _declared_by(options: type, name: str) -> type:
 
 def carries_over(name: str, old: type, new: type) -> bool:
     """Whether option ``name`` (a field name) of strategy class ``old`` keeps its meaning in ``new``:
-    both declare it with :data:`~fedcluster_flwr.config_roles.SAME_MEANING` (the share of clients that
-    train per round, the number of clusters: :func:`~fedcluster_flwr.config_roles.same_meaning_options`),
+    both declare it with :data:`~fedcluster_flwr.config.roles.SAME_MEANING` (the share of clients that
+    train per round, the number of clusters: :func:`~fedcluster_flwr.config.roles.same_meaning_options`),
     or both inherit it from one declaration (one family: ifca/gradloss, the gossip strategies, the
     hierarchical ones)."""
     old_field = next((f for f in dataclasses.fields(old.Options) if f.name == name), None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config_sections import ExperimentConfig
+from .sections import ExperimentConfig
 
 # Samples of each dataset's pool (train and test files together), which the partitions share out.
 POOL_SIZES = {"digits": 1797, "mnist": 70_000, "fashion_mnist": 70_000, "cifar10": 60_000, "femnist": 805_263}
