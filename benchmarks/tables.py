@@ -47,7 +47,7 @@ from fedcluster_flwr.config.load import (
 from fedcluster_flwr.config.sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
 from fedcluster_flwr.run_files import DamagedRunError, read_summary
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 # What the repository keeps of a run (branch.json: the run a branch continued, and what it changed).
 SMALL_FILES = ("summary.json", "rounds.jsonl", "config.yaml", "machine.json", "branch.json")

@@ -35,7 +35,7 @@ from .files import atomic_write
 from .plots import plot_comparison
 from .recorder import run_dir_name
 from .run_files import RoundRow, format_summary, read_summary
-from .config.schema import ConfigError, InRegistry, config_keys, lookup
+from .declarations.schema import ConfigError, InRegistry, config_keys, lookup
 from .registry import strategies
 
 EXIT_USER_ERROR = 2

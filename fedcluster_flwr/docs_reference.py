@@ -2,7 +2,7 @@
 
 * ``docs/reference/config.md``: every config key with its type, default and constraint, read from
   the config dataclasses (``config/sections.py``), their ``option(...)`` metadata and class ``rules`` /
-  ``experiment_rules`` (``config/schema.py``), and each partitioner's and strategy's options dataclass;
+  ``experiment_rules`` (``declarations/schema.py``), and each partitioner's and strategy's options dataclass;
   the description is the comment written beside (or just above) the field in the source.
 * ``docs/reference/cli.md``: every ``fedcluster`` command and argument, read from
   :func:`fedcluster_flwr.commands.build_parser`.
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .algorithms.base.options import NeedsSetting, StableUnderSGD
-from .config.roles import roles_text
+from .declarations.roles import roles_text
 from .config.sections import (
     ClientConfig,
     DatasetConfig,
@@ -43,8 +43,8 @@ from .config.sections import (
     SimulationConfig,
 )
 from .data.partitions import PARTITIONERS
-from .config.options import type_name
-from .config.schema import (
+from .declarations.options import type_name
+from .declarations.schema import (
     CONSTRAINTS,
     NOTE,
     AtMostOne,
@@ -117,7 +117,7 @@ def description(cls: type, field: dataclasses.Field) -> str:
     note = field.metadata.get(NOTE)
     if note:
         text = f"{text} ({note})" if text else note
-    if roles := roles_text(field):  # declared roles (fedcluster_flwr.config.roles), in the reader's words
+    if roles := roles_text(field):  # declared roles (fedcluster_flwr.declarations.roles), in the reader's words
         text = f"{text} [{roles}]" if text else f"[{roles}]"
     return text
 
@@ -258,7 +258,7 @@ def config_page() -> str:
         GENERATED,
         "",
         "Every key of an experiment YAML, with its type, its default and what a valid value is, as the",
-        "code declares them (`fedcluster_flwr/config/sections.py`, `fedcluster_flwr/config/schema.py`, each partitioner's",
+        "code declares them (`fedcluster_flwr/config/sections.py`, `fedcluster_flwr/declarations/schema.py`, each partitioner's",
         "and strategy's options dataclass). A value outside its constraint stops the run with one `error:`",
         "line naming the key; so does any number that is not finite (`.inf`, `.nan`, `1e309`) or any integer",
         "beyond 64 bits, whatever the key. How the file and `--set` overrides work: [Configuration](configuration.md).",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .config.schema import ConfigError
+from .declarations.schema import ConfigError
 
 FEATURES = ("identity", "random_projection", "pretrained")
 PRETRAINED_DIM = 512  # ResNet-18's pooled features

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .config.schema import ConfigError
+from .declarations.schema import ConfigError
 
 InputShape = tuple[int, int, int]  # (channels, height, width)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config.schema import ConfigError
+from .declarations.schema import ConfigError
 from .training import use_deterministic_kernels
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from .checkpoints import write_checkpoint
 from .files import atomic_write, written_aside
 from .plots import plot_rounds
 from .run_files import RoundRow, read_rounds, run_folder_entries
-from .config.schema import ConfigError
+from .declarations.schema import ConfigError
 from .tracking import TRACKING_FILE, Tracker, branch_record, check_tracking, open_tracker
 
 

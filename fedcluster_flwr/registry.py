@@ -32,8 +32,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-from .config.roles import check_same_meaning
-from .config.schema import ConfigError
+from .declarations.roles import check_same_meaning
+from .declarations.schema import ConfigError
 
 if TYPE_CHECKING:
     from .protocol import Task

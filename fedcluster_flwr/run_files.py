@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .config.schema import ConfigError
+from .declarations.schema import ConfigError
 
 RoundRow = dict[str, Any]
 

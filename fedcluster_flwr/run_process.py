@@ -177,7 +177,7 @@ def backend_config(config: ExperimentConfig, verbose: bool) -> dict[str, Any]:
 def check_ray_address(config: ExperimentConfig, timeout_s: float = 5.0) -> None:
     """Refuse a ``simulation.ray_address`` at which nothing answers, before the run starts: Ray's
     ``ray.init`` retries such an address for minutes (still retrying after 120 s, ray 2.55)."""
-    from .config.schema import ConfigError
+    from .declarations.schema import ConfigError
 
     address = config.simulation.ray_address
     if address is None:
@@ -203,7 +203,7 @@ OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 def error_event(err: BaseException) -> dict[str, Any]:
     """The event that tells the supervisor why the simulation stopped."""
     from .data import DataError
-    from .config.schema import ConfigError
+    from .declarations.schema import ConfigError
 
     if isinstance(err, (ConfigError, DataError)):
         return {"error": str(err), "kind": USER}

@@ -44,14 +44,14 @@ import yaml
 
 from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
 from .config.load import config_differences, config_to_dict, left_with_engine, load_config, parse_override, tree_at
-from .config.roles import EXECUTION, FIXED_ON_BRANCH, keys_with
+from .declarations.roles import EXECUTION, FIXED_ON_BRANCH, keys_with
 from .config.sections import ExperimentConfig
 from .run_process import OUTPUT, USER, Job, check_ray_address, encode_job
 from .files import atomic_write, unwritable
 from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
 from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary, run_folder_entries
 from .run_outcome import stop_message, what_was_kept
-from .config.schema import ConfigError, require
+from .declarations.schema import ConfigError, require
 from .tracking import check_tracking
 
 
@@ -294,7 +294,7 @@ def _checkpointed(every: Any, logged: Sequence[int], run_dir: Path) -> bool:
 
 # Keys a resume may change in place: how a round's clients execute (a checkpoint moves between
 # engines and machines) and where metrics are also sent, not what the rounds compute; declared with
-# roles=(EXECUTION,) where each option is (fedcluster_flwr.config.roles).
+# roles=(EXECUTION,) where each option is (fedcluster_flwr.declarations.roles).
 EXECUTION_KEYS = keys_with(ExperimentConfig, EXECUTION)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .files import atomic_write
-from .config.schema import ConfigError
+from .declarations.schema import ConfigError
 
 TRACKING_FILE = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config.roles import RUN_CONFIG
-from .config.options import DeclaredOptions
-from .config.schema import Interval, at_least, option
+from .declarations.roles import RUN_CONFIG
+from .declarations.options import DeclaredOptions
+from .declarations.schema import Interval, at_least, option
 from .types import NDArrays
 
 

@@ -348,7 +348,7 @@ def run_case(case: Case, tmp: Path) -> tuple[int, str]:
     simulation fails: its mistake was not found before Ray started."""
     from fedcluster_flwr import cli
     from fedcluster_flwr.data import DataError
-    from fedcluster_flwr.config.schema import ConfigError
+    from fedcluster_flwr.declarations.schema import ConfigError
 
     if case.setup is not None:
         case.setup(tmp)

@@ -213,7 +213,7 @@ def test_a_checkpoint_copied_in_from_another_run_is_named_not_the_config(tmp_pat
     """Real checkpoints (written by the in-process driver) carry their round's row digest."""
     from fedcluster_flwr.apps.server_app import run_in_process
     from fedcluster_flwr.config.load import load_config, parse_override
-    from fedcluster_flwr.config.schema import ConfigError
+    from fedcluster_flwr.declarations.schema import ConfigError
 
     def tiny(*extra):
         return load_config(DEFAULT_CONFIG, [parse_override(o) for o in TINY[1::2] + list(extra)])[0]

@@ -155,7 +155,7 @@ def test_the_largest_lr_and_weight_decay_a_config_takes_never_overflow_the_optim
     from types import SimpleNamespace
 
     from fedcluster_flwr.training import OPTIMIZER_FACTOR_MAX
-    from fedcluster_flwr.config.schema import ConfigError
+    from fedcluster_flwr.declarations.schema import ConfigError
     from fedcluster_flwr.training import train
 
     cfg = config(f"client.lr={OPTIMIZER_FACTOR_MAX}", f"client.weight_decay={OPTIMIZER_FACTOR_MAX}",

@@ -19,7 +19,7 @@ from fedcluster_flwr.config.load import (
     parse_override,
     read_yaml,
 )
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 
 def load(*overrides: str):
@@ -278,7 +278,7 @@ def test_every_strategy_swaps_in_on_every_conf_with_one_override(path, strategy,
     for the rest (FL+HC, one-shot HFL and PACFL given no cut cut at the largest silhouette); or, for the
     listed pair only, one error line naming its key and the YAML's strategy."""
     from fedcluster_flwr.config.load import carries_over
-    from fedcluster_flwr.config.schema import config_key
+    from fedcluster_flwr.declarations.schema import config_key
     from fedcluster_flwr.registry import strategies
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the pretrained-feature conf's ResNet-18 file, faked
@@ -358,7 +358,7 @@ def test_fewer_clients_than_the_partitions_groups_is_a_warning_not_an_error(over
 
 
 def test_a_name_in_another_case_or_misspelt_gets_a_did_you_mean():
-    from fedcluster_flwr.config.schema import closest_name
+    from fedcluster_flwr.declarations.schema import closest_name
 
     choices = ["digits", "mnist", "fashion_mnist", "cifar10"]
     assert closest_name("MNIST", choices) == "mnist"

@@ -1,4 +1,4 @@
-"""Every list of config keys is derived from the options' declared roles (fedcluster_flwr.config.roles):
+"""Every list of config keys is derived from the options' declared roles (fedcluster_flwr.declarations.roles):
 a dummy option of each role, added to a copy of the config's declarations, is in every list its role
 puts it in and in no other; the lists the runner, the apps and the CLI use are those derivations;
 pyproject's run-config keys are the ones declared; and the keys the issue found missing (Ray's
@@ -16,7 +16,7 @@ from fedcluster_flwr import runner
 from fedcluster_flwr.algorithms.base import ClusteredStrategy
 from fedcluster_flwr.algorithms.base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from fedcluster_flwr.apps.server_app import IGNORED_UNDER_FLWR_RUN
-from fedcluster_flwr.config.roles import (
+from fedcluster_flwr.declarations.roles import (
     EXECUTION,
     FIXED_ON_BRANCH,
     NO_EFFECT_UNDER_FLWR_RUN,
@@ -31,7 +31,7 @@ from fedcluster_flwr.config.roles import (
 )
 from fedcluster_flwr.config.sections import ExperimentConfig, SimulationConfig
 from fedcluster_flwr.registry import register, strategies
-from fedcluster_flwr.config.schema import option
+from fedcluster_flwr.declarations.schema import option
 from helpers import finished_looking_run
 
 

@@ -458,7 +458,7 @@ def test_a_pens_client_merges_only_its_lowest_loss_neighbours(monkeypatch):
      r"strategy.selection_candidates: must be below partition.num_clients \(20\)"),
 ])
 def test_the_gossip_options_errors_name_the_key(overrides, message):
-    from fedcluster_flwr.config.schema import ConfigError
+    from fedcluster_flwr.declarations.schema import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])

@@ -35,9 +35,9 @@ from fedcluster_flwr.config.sections import (
     SimulationConfig,
 )
 from fedcluster_flwr.data.partitions import PARTITIONERS
-from fedcluster_flwr.config.options import INT64, DeclaredOptions, coerce
+from fedcluster_flwr.declarations.options import INT64, DeclaredOptions, coerce
 from fedcluster_flwr.registry import strategies
-from fedcluster_flwr.config.schema import (
+from fedcluster_flwr.declarations.schema import (
     CONSTRAINTS,
     ConfigError,
     HostPort,

@@ -16,7 +16,7 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.models import build_model
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.training import TrainSettings, get_weights, train, use_deterministic_kernels
 
 MNIST = (1, 28, 28)

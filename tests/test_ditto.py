@@ -17,7 +17,7 @@ from helpers import assert_same_state, rows_without_timing
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 BASE = ("rounds=4", "partition.num_clients=8", "partition.num_groups=2", "client.epochs=1")
 SAME = ("round", "mean_client_accuracy", "client_accuracy", "mean_test_loss", "per_true_cluster_accuracy",

@@ -37,7 +37,7 @@ def test_every_config_key_is_in_the_reference():
     from fedcluster_flwr.config.load import config_to_dict, load_config
 
     page = docs_reference.CONFIG_PAGE.read_text()
-    from fedcluster_flwr.config.schema import ConfigError
+    from fedcluster_flwr.declarations.schema import ConfigError
 
     for conf in sorted((ROOT / "conf").glob("*.yaml")):
         try:

@@ -23,7 +23,7 @@ from fedcluster_flwr.engines.batched import Rendezvous, Request
 from fedcluster_flwr.engines.stacked import ClientBatchData, evaluate_stacked, train_stacked
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.models import build_model
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.training import TrainSettings, evaluate, train
 from helpers import assert_same_state, rows_without_timing
 from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES

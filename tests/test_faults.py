@@ -10,7 +10,7 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import Faults
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 
 def test_the_fault_draw_is_a_seeded_function_of_round_and_client_with_the_configured_rates():

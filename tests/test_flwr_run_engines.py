@@ -21,7 +21,7 @@ from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import FLWR_RUN_LOG_FILTER, RunConfigError, app, run_in_process, runs_here
 from fedcluster_flwr.run_files import format_summary, read_rounds, read_summary
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from helpers import rows_without_timing
 
 SMALL = {"rounds": 2, "partition.num_clients": 6, "strategy.name": "fedavg", "set": "strategy.client_fraction=0.5"}

@@ -19,7 +19,7 @@ from fedcluster_flwr.data import DataError
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import experiment_data
 from fedcluster_flwr.run_files import format_summary, read_summary
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 HAS_EXTRA = importlib.util.find_spec("datasets") is not None and importlib.util.find_spec("flwr_datasets") is not None
 needs_extra = pytest.mark.skipif(not HAS_EXTRA, reason="needs the extra fedcluster-flwr[hf] (datasets, flwr-datasets)")

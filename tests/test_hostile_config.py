@@ -31,8 +31,8 @@ import yaml
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr import cli, runner
 from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
-from fedcluster_flwr.config.options import from_mapping
-from fedcluster_flwr.config.schema import ConfigError, Interval, above, option
+from fedcluster_flwr.declarations.options import from_mapping
+from fedcluster_flwr.declarations.schema import ConfigError, Interval, above, option
 
 # Modules this issue added are imported where they are used, so that on the code before it each
 # test fails on its own assertion rather than all of them on an import.

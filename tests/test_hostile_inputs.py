@@ -43,7 +43,7 @@ from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import experiment_data, make_client
 from fedcluster_flwr.protocol import ACCURACY, CONFIG, EVALUATE, METRICS, MODEL, NUM_EXAMPLES, ROUND_KEY, TEST_LOSS, TRAIN, ProtocolError
 from fedcluster_flwr.recorder import CLAIM_FILE, RunRecorder
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 MNIST_CONFIG = ROOT / "conf" / "mnist_iid_fedavg.yaml"
 IMAGES, LABELS = "train-images-idx3-ubyte", "train-labels-idx1-ubyte"

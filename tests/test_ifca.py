@@ -19,7 +19,7 @@ from fedcluster_flwr.experiment import initial_weights, make_client
 from fedcluster_flwr.protocol import MODELS, TRAIN
 from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.round_log import resume
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED
 from fedcluster_flwr.algorithms.multimodel.strategy import IFCA, GradLoss, GradLossOptions, IFCAOptions
 from fedcluster_flwr.algorithms.base.selection import (

@@ -30,7 +30,7 @@ from fedcluster_flwr.config.load import config_to_dict, load_config, parse_overr
 from fedcluster_flwr.apps.server_app import RunConfigError, app, run_in_process
 from fedcluster_flwr.client import ClusterClient
 from fedcluster_flwr.numerics import torch_threads
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 # Short enough for CI, long enough that FL+HC clusters (round 3) after the stop at round 2.
 OVERRIDES = ("rounds=4", "strategy.rounds_before_clustering=2")

@@ -99,7 +99,7 @@ def test_the_dac_reference_codes_networks_have_its_shapes():
 def test_the_retired_cnn_dac_name_says_what_to_use_instead():
     from conftest import DEFAULT_CONFIG
     from fedcluster_flwr.config.load import load_config
-    from fedcluster_flwr.config.schema import ConfigError
+    from fedcluster_flwr.declarations.schema import ConfigError
 
     with pytest.raises(ConfigError, match="model.name: 'cnn_dac' was renamed 'cnn_32_64_fc128' .* not Zec et al.'s CNN; "
                                           "for DAC use the reference code's 'cnn_zec_fmnist'"):

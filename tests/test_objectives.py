@@ -26,7 +26,7 @@ from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.engines.stacked import ClientBatchData, train_stacked
 from fedcluster_flwr.models import build_model
 from fedcluster_flwr.protocol import OBJECTIVE_KEY, ProtocolError
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.training import START, Objective, TrainSettings, train
 
 CPU = torch.device("cpu")

@@ -18,7 +18,7 @@ from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, releva
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.aggregation import average_layers
 from fedcluster_flwr.algorithms.oneshot.strategy import HFLOptions, OracleHFL
 from fedcluster_flwr.algorithms.oneshot.tasks import (

@@ -17,7 +17,7 @@ from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
 from fedcluster_flwr.features import feature_map
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.algorithms.pacfl.strategy import PACFL, PACFLOptions
 from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGENVALUES,

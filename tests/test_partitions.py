@@ -22,8 +22,8 @@ from fedcluster_flwr.data.partition_options import (
     PathologicalOptions,
     RotationOptions,
 )
-from fedcluster_flwr.config.options import from_mapping
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.options import from_mapping
+from fedcluster_flwr.declarations.schema import ConfigError
 
 NUM_CLASSES = 10
 TEST_FRACTION = 0.2

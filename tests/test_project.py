@@ -14,7 +14,7 @@ import pytest
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.apps.run_config import config_from_run_config, overrides_from_run_config
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 
 def readme_commands() -> list[str]:

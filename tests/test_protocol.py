@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from fedcluster_flwr.protocol import (
     ACCURACY, CONFIG, EVALUATE, MODEL, MODELS, ROUND_KEY, TEST_LOSS, TRAIN, ModelSpec, ProtocolError, Sent,
 )
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from fedcluster_flwr.algorithms.dac.tasks import GOSSIP_TRAIN
 from fedcluster_flwr.algorithms.oneshot.tasks import (

@@ -64,7 +64,7 @@ def test_a_family_that_fails_while_importing_is_one_error_naming_who_named_it(tm
     (tmp_path / "broken_family.py").write_text("raise RuntimeError('half-written family')\n")
     done = run_python(
         "from fedcluster_flwr.registry import strategies\n"
-        "from fedcluster_flwr.config.schema import ConfigError\n"
+        "from fedcluster_flwr.declarations.schema import ConfigError\n"
         "try:\n    strategies()\nexcept ConfigError as err:\n    print(err)\n",
         [str(tmp_path)], **{registry.FAMILIES_VARIABLE: "broken_family"})
     assert done.returncode == 0, done.stderr

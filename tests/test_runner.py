@@ -14,7 +14,7 @@ from helpers import finished_looking_run
 from fedcluster_flwr import runner
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import make_client
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 
 
 def config(*overrides: str):

@@ -8,8 +8,8 @@ from typing import Literal
 
 import pytest
 
-from fedcluster_flwr.config.options import check_in_experiment, from_mapping
-from fedcluster_flwr.config.schema import (
+from fedcluster_flwr.declarations.options import check_in_experiment, from_mapping
+from fedcluster_flwr.declarations.schema import (
     REQUIRED,
     AtMostOne,
     ConfigError,

@@ -25,7 +25,7 @@ from fedcluster_flwr.engines.stacked import (
     ClientBatchData, StackedOptimizer, evaluation_sums, stack_parameters, train_stacked, train_steps,
 )
 from fedcluster_flwr.models import MODELS, build_model
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.algorithms.fedprox.math import ProximalTerm
 from fedcluster_flwr.training import PLAIN, Objective, TrainSettings, evaluate, train
 

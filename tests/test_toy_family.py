@@ -63,7 +63,7 @@ def test_a_family_from_outside_the_package_runs_by_name_and_resumes_bit_for_bit(
 def test_the_outside_familys_declared_options_name_the_key():
     code = (
         "from fedcluster_flwr.config.load import load_config, parse_override\n"
-        "from fedcluster_flwr.config.schema import ConfigError\n"
+        "from fedcluster_flwr.declarations.schema import ConfigError\n"
         "for setting in ('strategy.server_momentum=1.5', 'strategy.server_lr=0'):\n"
         "    try:\n"
         f"        load_config({str(CONF)!r}, [parse_override(setting)])\n"

@@ -18,7 +18,7 @@ from fedcluster_flwr.config.load import config_to_dict, load_config, parse_overr
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.recorder import branch_run
 from fedcluster_flwr.run_files import read_rounds, read_summary
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.tracking import TRACKING_FILE, numeric_fields
 
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

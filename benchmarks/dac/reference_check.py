@@ -48,7 +48,7 @@ from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import experiment_data, model_factory
 from fedcluster_flwr.registry import strategy_class
-from fedcluster_flwr.config.schema import ConfigError
+from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.training import evaluate, set_weights
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,7 +32,7 @@ from fedcluster_flwr.training import TrainSettings  # noqa: E402
 def module_at(commit: str, path: str, name: str) -> types.ModuleType:
     source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     source = source.replace("from ..training import", "from fedcluster_flwr.training import")
-    source = source.replace("from .schema import", "from fedcluster_flwr.config.schema import")
+    source = source.replace("from .schema import", "from fedcluster_flwr.declarations.schema import")
     module = types.ModuleType(name)
     module.__dict__["__name__"] = name
     sys.modules[name] = module

@@ -3,7 +3,7 @@
 Under ``flwr run`` both apps rebuild the experiment config from the run config: ``config`` names
 the YAML (relative to the app's root, then the working directory), ``set`` carries any dotted
 overrides, and the other keys (pyproject.toml's ``[tool.flwr.app.config]``: the keys declared
-``RUN_CONFIG``, :mod:`fedcluster_flwr.config.roles`) are overrides of their own; an empty string
+``RUN_CONFIG``, :mod:`fedcluster_flwr.declarations.roles`) are overrides of their own; an empty string
 keeps the YAML's value.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config.load import load_config, parse_override
 from ..config.sections import ExperimentConfig
-from ..config.schema import ConfigError
+from ..declarations.schema import ConfigError
 
 APP_ROOT = Path(__file__).resolve().parents[2]  # the project root (or the installed FAB): above fedcluster_flwr/apps/
 RUN_CONFIG_FILE_KEY = "config"

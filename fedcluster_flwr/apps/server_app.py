@@ -47,7 +47,7 @@ from .. import flower_patches
 from ..checkpoints import load_checkpoint
 from ..client import kept_state, restore_kept_state
 from ..config.load import ConfigWarning, config_to_dict
-from ..config.roles import NO_EFFECT_UNDER_FLWR_RUN, declared, default_of
+from ..declarations.roles import NO_EFFECT_UNDER_FLWR_RUN, declared, default_of
 from ..config.sections import ExperimentConfig
 from ..data import DataError, cluster_names
 from ..engines.batched import BatchedCompute
@@ -60,7 +60,7 @@ from ..recorder import RunRecorder, run_dir_name
 from ..registry import strategy_class
 from ..round_log import RoundLog, resume as resume_strategy
 from ..run_files import RoundRow, format_summary, read_summary
-from ..config.schema import ConfigError, lookup
+from ..declarations.schema import ConfigError, lookup
 from ..training import get_weights
 from .client_app import FedclusterClientApp
 from .run_config import config_from_run_config, run_config_notes

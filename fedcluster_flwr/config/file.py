@@ -6,7 +6,7 @@ MemoryError after 38 s), recurse once per level of nesting and read a file of an
 before anything is built: a key given twice is an error naming it and both lines; an alias (and
 so an anchor's use, merge keys included) is refused at the first one; nesting stops at
 :data:`MAX_NESTING` levels and a file at :data:`MAX_CONFIG_BYTES`; a file that is not UTF-8 text,
-or not a regular file, is named as such. Each is a :class:`~fedcluster_flwr.config.schema.ConfigError`.
+or not a regular file, is named as such. Each is a :class:`~fedcluster_flwr.declarations.schema.ConfigError`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .schema import ConfigError
+from ..declarations.schema import ConfigError
 
 
 # A config file is a few KB (the largest shipped one is 3.5 KB); a file far beyond that is another

@@ -14,7 +14,7 @@ experiment here (:mod:`fedcluster_flwr.config.cost`) loads with a warning.
 
 Swapping strategies (:func:`swap_strategy`): an override that changes ``strategy.name`` keeps of
 the YAML's strategy options only those that mean the same for the new strategy
-(options declared with the role ``SAME_MEANING``, :mod:`fedcluster_flwr.config.roles`, and options
+(options declared with the role ``SAME_MEANING``, :mod:`fedcluster_flwr.declarations.roles`, and options
 both inherit from one declaration); the others are
 dropped with a note, since a value written for one algorithm (FL+HC's l1 ``threshold: 20``) is
 not a value for another (one-shot's ``threshold`` on 1 - R in (0, 1)).
@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from .file import parse_value, read_yaml
-from .roles import SAME_MEANING
+from ..declarations.roles import SAME_MEANING
 from .sections import PARTITION_COMMON, ExperimentConfig, PartitionConfig, SimulationConfig, StrategyConfig
 from .cost import POOL_SIZES, estimate_cost
 from ..data.partition_options import group_count
 from ..data.partitions import PARTITIONERS
 from ..models import MODELS
-from .options import check_in_experiment, from_mapping, to_plain
-from .schema import ConfigError, InRegistry, OnlyWith, as_yaml, config_key, config_keys, describe, require, unknown_key_message
+from ..declarations.options import check_in_experiment, from_mapping, to_plain
+from ..declarations.schema import ConfigError, InRegistry, OnlyWith, as_yaml, config_key, config_keys, describe, require, unknown_key_message
 from ..registry import strategies
 
 
@@ -315,8 +315,8 @@ def _declared_by(options: type, name: str) -> type:
 
 def carries_over(name: str, old: type, new: type) -> bool:
     """Whether option ``name`` (a field name) of strategy class ``old`` keeps its meaning in ``new``:
-    both declare it with :data:`~fedcluster_flwr.config.roles.SAME_MEANING` (the share of clients that
-    train per round, the number of clusters: :func:`~fedcluster_flwr.config.roles.same_meaning_options`),
+    both declare it with :data:`~fedcluster_flwr.declarations.roles.SAME_MEANING` (the share of clients that
+    train per round, the number of clusters: :func:`~fedcluster_flwr.declarations.roles.same_meaning_options`),
     or both inherit it from one declaration (one family: ifca/gradloss, the gossip strategies, the
     hierarchical ones)."""
     old_field = next((f for f in dataclasses.fields(old.Options) if f.name == name), None)

@@ -1,5 +1,5 @@
 """The experiment config's sections, declared: each YAML key as a dataclass field with its type,
-default and constraints (:mod:`fedcluster_flwr.config.schema`), and the whole config
+default and constraints (:mod:`fedcluster_flwr.declarations.schema`), and the whole config
 (:class:`ExperimentConfig`).
 
 ``partition`` and ``strategy`` hold, besides their own keys, the options dataclass of the
@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from ..data.sources import DATASET_SOURCES, HF, dataset_shape
 from ..models import MODELS, RENAMED as RENAMED_MODELS
-from .roles import EXECUTION, FIXED_ON_BRANCH, RUN_CONFIG, no_effect_under_flwr_run
-from .options import DeclaredOptions
+from ..declarations.roles import EXECUTION, FIXED_ON_BRANCH, RUN_CONFIG, no_effect_under_flwr_run
+from ..declarations.options import DeclaredOptions
 from ..training import TrainSettings
-from .schema import (
+from ..declarations.schema import (
     REQUIRED,
     HostPort,
     SEED_RANGE,

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config.options import DeclaredOptions
-from ..config.schema import REQUIRED, ConfigError, describe, did_you_mean, join_key, option
+from ..declarations.options import DeclaredOptions
+from ..declarations.schema import REQUIRED, ConfigError, describe, did_you_mean, join_key, option
 from .hf import import_optional
 from .partitions import PARTITIONERS, ClientTransform, Partitioner, PartitionRequest, PartitionResult
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config.schema import ConfigError
+from ..declarations.schema import ConfigError
 from .datasets import DataError, DatasetPool, resolve_data_dir
 
 HF_EXTRA = "fedcluster-flwr[hf]"

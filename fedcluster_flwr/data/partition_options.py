@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..config.options import DeclaredOptions
-from ..config.schema import Interval, above, at_least, join_key, option, require
+from ..declarations.options import DeclaredOptions
+from ..declarations.schema import Interval, above, at_least, join_key, option, require
 
 
 @dataclass(frozen=True)

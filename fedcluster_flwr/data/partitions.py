@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..config.schema import ConfigError, require
+from ..declarations.schema import ConfigError, require
 from .partition_options import (
     ClassSubsetsOptions,
     DirichletOptions,

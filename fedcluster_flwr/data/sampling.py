@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..config.schema import ConfigError
+from ..declarations.schema import ConfigError
 
 
 class LabelPools:

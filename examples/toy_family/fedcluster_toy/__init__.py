@@ -20,10 +20,10 @@ import numpy as np
 
 from fedcluster_flwr.algorithms.base import ClusteredStrategy, Instruction, Reply, StrategySetup
 from fedcluster_flwr.algorithms.base.options import SAME_MEANING, SHARE_OF_CLIENTS
-from fedcluster_flwr.config.options import DeclaredOptions
+from fedcluster_flwr.declarations.options import DeclaredOptions
 from fedcluster_flwr.protocol import MODEL
 from fedcluster_flwr.registry import register
-from fedcluster_flwr.config.schema import Interval, above, option
+from fedcluster_flwr.declarations.schema import Interval, above, option
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from typing import Any
 
 # The role every declaration of client_fraction and num_clusters gives them (they mean the same in
 # every strategy: kept when an override changes strategy.name), beside the constraints they share.
-from ...config.roles import SAME_MEANING  # noqa: F401
-from ...config.schema import ConfigError, Condition, Interval, NoMoreThan, as_yaml, lookup, option_key
+from ...declarations.roles import SAME_MEANING  # noqa: F401
+from ...declarations.schema import ConfigError, Condition, Interval, NoMoreThan, as_yaml, lookup, option_key
 
 # A share of clients (``client_fraction``, a quorum): some, at most all.
 SHARE_OF_CLIENTS = Interval(0, 1, closed="right")

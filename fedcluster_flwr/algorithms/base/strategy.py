@@ -50,7 +50,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from ... import protocol
 from ...protocol import ACCURACY, EVALUATE, MODEL, TEST_LOSS, VAL_LOSS, ModelSpec, content_nbytes
-from ...config.schema import config_key
+from ...declarations.schema import config_key
 from ...types import NDArrays, Scalar
 from .directory import ClientDirectory, Federation
 from .model_selection import BestValidated

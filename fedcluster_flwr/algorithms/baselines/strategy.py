@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...protocol import MODEL, TRAIN
-from ...config.options import DeclaredOptions
-from ...config.schema import option
+from ...declarations.options import DeclaredOptions
+from ...declarations.schema import option
 from ..base.strategy import ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ...registry import register

@@ -126,8 +126,8 @@ from .math import bipartition, cosine_similarity
 from .records import Diagnosis, Split, UpdateStatistics
 from .plots import plot_cluster_tree
 from ...protocol import MODEL, TRAIN
-from ...config.options import DeclaredOptions
-from ...config.schema import ConfigError, Interval, NoMoreThan, above, at_least, option
+from ...declarations.options import DeclaredOptions
+from ...declarations.schema import ConfigError, Interval, NoMoreThan, above, at_least, option
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ...registry import register

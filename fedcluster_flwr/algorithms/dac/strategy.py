@@ -69,8 +69,8 @@ from ...protocol import MODEL, MODELS, TRAIN
 from . import tasks as gossip
 from .tasks import GOSSIP_TRAIN
 from ...plots import plot_client_matrix
-from ...config.options import DeclaredOptions
-from ...config.schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
+from ...declarations.options import DeclaredOptions
+from ...declarations.schema import Is, IsNot, LessThan, OnlyWith, at_least, join_key, option, require
 from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ..base.turns import TakesTurns

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from ...config.options import DeclaredOptions
+from ...declarations.options import DeclaredOptions
 from ...protocol import MODEL
 from ...registry import register
-from ...config.schema import at_least, option
+from ...declarations.schema import at_least, option
 from ...training import FLOAT32_STEP, LEARNING_RATE
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS, StableUnderSGD
 from ..base.strategy import Instruction, Reply, StrategySetup

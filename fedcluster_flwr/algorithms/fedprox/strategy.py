@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from ...protocol import OBJECTIVE_KEY
 from ...registry import objective, register
-from ...config.options import DeclaredOptions
-from ...config.schema import at_least, option
+from ...declarations.options import DeclaredOptions
+from ...declarations.schema import at_least, option
 from ...training import Objective
 from ...types import Scalar
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS, StableUnderSGD

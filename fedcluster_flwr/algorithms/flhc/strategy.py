@@ -33,8 +33,8 @@ from flwr.common import log
 from ...types import NDArrays
 from ...clustering import ClusteringRecord, HacResult, UpdateMatrix, cut_rule, flatten, hierarchical_clustering
 from ...protocol import MODEL
-from ...config.options import DeclaredOptions
-from ...config.schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
+from ...declarations.options import DeclaredOptions
+from ...declarations.schema import AtMostOne, Is, IsNot, LessThan, OnlyWith, above, at_least, option
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SAME_MEANING, CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register

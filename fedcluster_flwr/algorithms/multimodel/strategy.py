@@ -48,8 +48,8 @@ from ... import protocol
 from ...protocol import MODEL, MODELS, TRAIN, Task
 from ..base import selection
 from ..base.selection import DIRECTIONS, SELECT, TRAIN_SELECT
-from ...config.options import DeclaredOptions
-from ...config.schema import Interval, LessThan, above, at_least, option, require
+from ...declarations.options import DeclaredOptions
+from ...declarations.schema import Interval, LessThan, above, at_least, option, require
 from ..base.strategy import UNASSIGNED, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SAME_MEANING, CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register

@@ -54,8 +54,8 @@ from ...protocol import MODEL
 from . import tasks as oneshot
 from .tasks import EIGENVALUES, EIGENVECTORS, GRAM_EIGEN, RELEVANCE, RELEVANCE_ROW
 from ...plots import plot_client_matrix
-from ...config.options import DeclaredOptions
-from ...config.schema import AtMostOne, Interval, Is, NoMoreThan, OnlyWith, RequiredWith, at_least, join_key, option, require
+from ...declarations.options import DeclaredOptions
+from ...declarations.schema import AtMostOne, Interval, Is, NoMoreThan, OnlyWith, RequiredWith, at_least, join_key, option, require
 from ..base.strategy import UNASSIGNED, Artifacts, ClusteredStrategy, Instruction, Reply, StrategySetup
 from ..base.options import SAME_MEANING, CLUSTERS_FIT_CLIENTS, SHARE_OF_CLIENTS
 from ...registry import register

@@ -51,7 +51,7 @@ from .math import closest_cluster, proximity_matrix, subspace_proximity
 
 from ..oneshot.math import within_and_across
 from ...features import feature_dim
-from ...config.schema import AtMostOne, above, at_least, option, require
+from ...declarations.schema import AtMostOne, above, at_least, option, require
 from ..oneshot import tasks as oneshot
 from ..oneshot.tasks import EIGENVECTORS, GRAM_EIGEN
 from ..base.strategy import UNASSIGNED, Artifacts, Instruction, Reply, StrategySetup

@@ -1,12 +1,12 @@
 """What a valid option is, declared next to its field, and the error that names the key.
 
 Every user-facing option of fedcluster is a field of a frozen dataclass, and what a valid value
-is, is declared rather than checked by hand (:mod:`fedcluster_flwr.config.options` builds the
+is, is declared rather than checked by hand (:mod:`fedcluster_flwr.declarations.options` builds the
 dataclasses from the YAML's mappings and runs these declarations):
 
 * the type: ``Literal`` for a choice, ``X | None`` where null is allowed;
 * per field, constraints: ``client_fraction: float = option(0.1, Interval(0, 1, closed="right"))``;
-  every field also obeys what :func:`~fedcluster_flwr.config.options.implied_constraints` adds:
+  every field also obeys what :func:`~fedcluster_flwr.declarations.options.implied_constraints` adds:
   its numbers finite (no inf, no NaN) unless a constraint of its own admits infinity
   (``Interval(0, math.inf)``), its integers within 64 bits; seeds take :data:`SEED_RANGE`;
 * per class, ``rules``: what spans fields (``ExactlyOne("threshold", "num_clusters")``,
@@ -97,7 +97,7 @@ def option_key(options: Any, name: str, prefix: str = "") -> str:
 
 CONSTRAINTS = "constraints"  # the field metadata entry option() fills and check_declared reads
 NOTE = "note"
-ROLES = "roles"  # what the option means to the runner and the apps (fedcluster_flwr.config.roles)
+ROLES = "roles"  # what the option means to the runner and the apps (fedcluster_flwr.declarations.roles)
 REQUIRED: Any = dataclasses.MISSING  # option(REQUIRED, ...): the key has no default
 
 
@@ -117,7 +117,7 @@ def option(default: Any = REQUIRED, *constraints: Constraint, key: str | None = 
     A None value is left alone (the ``X | None`` type already says whether null is allowed).
     ``key``: the YAML key where the field's name cannot be it (``lambda``, a Python keyword).
     ``note``: what special values mean, added to every constraint error of the field.
-    ``roles``: what else the option is (:mod:`fedcluster_flwr.config.roles`: how a run executes,
+    ``roles``: what else the option is (:mod:`fedcluster_flwr.declarations.roles`: how a run executes,
     fixed on a branch, ...), from which the lists of such keys are derived.
     ``factory``: a default made per instance (a section, a dict), as ``default_factory``.
     """

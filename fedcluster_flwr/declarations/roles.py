@@ -1,7 +1,7 @@
 """What an option is, besides its value: declared with it, and every list of such keys derived.
 
 An option declares its roles where it is declared (``option(..., roles=(EXECUTION,))``, see
-:func:`fedcluster_flwr.config.schema.option`); the runner, the apps and the CLI read the lists derived here
+:func:`fedcluster_flwr.declarations.schema.option`); the runner, the apps and the CLI read the lists derived here
 from the declarations, never a list kept by hand, so a new option is in every list its roles put it
 in and in no other:
 

@@ -1,7 +1,7 @@
 """Build frozen options dataclasses from plain mappings, with errors that name the key.
 
 This turns the nested dicts read from YAML (plus overrides) into the dataclasses whose fields
-declare what a valid value is (:mod:`fedcluster_flwr.config.schema`): it checks keys and value types,
+declare what a valid value is (:mod:`fedcluster_flwr.declarations.schema`): it checks keys and value types,
 then runs the declarations, and reports the first problem as a :class:`ConfigError` that says
 which dotted key is wrong, what was expected and what was given. Every option also obeys
 :func:`implied_constraints`: finite numbers and 64-bit integers. :func:`to_plain` goes back.
