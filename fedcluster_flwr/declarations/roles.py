@@ -107,13 +107,17 @@ def default_of(cls: type, dotted: str) -> Any:
     return field.default
 
 
+def _with_options(strategy_classes: Iterable[type]) -> list[type]:
+    """The classes among ``strategy_classes`` that declare an ``Options`` dataclass."""
+    return [cls for cls in strategy_classes if dataclasses.is_dataclass(getattr(cls, "Options", None))]
+
+
 def same_meaning_options(strategy_classes: Iterable[type]) -> tuple[str, ...]:
     """The option names (fields) that some of ``strategy_classes``' ``Options`` declare with
     :data:`SAME_MEANING`, sorted. Every strategy declaring a field of such a name must declare it so
     (:func:`check_same_meaning`)."""
-    classes = [cls for cls in strategy_classes if dataclasses.is_dataclass(getattr(cls, "Options", None))]
-    return tuple(sorted({field.name for cls in classes for field in dataclasses.fields(cls.Options)
-                         if SAME_MEANING.declared_by(field)}))
+    return tuple(sorted({field.name for cls in _with_options(strategy_classes)
+                         for field in dataclasses.fields(cls.Options) if SAME_MEANING.declared_by(field)}))
 
 
 def run_config_keys(cls: type, strategy_classes: Iterable[type]) -> tuple[str, ...]:
@@ -126,7 +130,7 @@ def run_config_keys(cls: type, strategy_classes: Iterable[type]) -> tuple[str, .
 def check_same_meaning(strategy_classes: Iterable[type]) -> None:
     """Refuse a strategy whose option has the name of a same-meaning option without declaring it so
     (it would be carried into another strategy meaning something else): a programming error."""
-    classes = [cls for cls in strategy_classes if dataclasses.is_dataclass(getattr(cls, "Options", None))]
+    classes = _with_options(strategy_classes)
     names = set(same_meaning_options(classes))
     for cls in classes:
         for field in dataclasses.fields(cls.Options):
