@@ -18,10 +18,10 @@ os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 
 import numpy as np  # noqa: E402
 
-from fedcluster_flwr.config.load import config_to_dict  # noqa: E402
+from fedcluster_flwr.config.load import config_differences, config_to_dict  # noqa: E402
 from fedcluster_flwr.config.sections import ExperimentConfig  # noqa: E402
 from fedcluster_flwr.apps.server_app import run_in_process  # noqa: E402
-from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment  # noqa: E402
+from fedcluster_flwr.runner import EXECUTION_KEYS, continue_run, plan_continuation, run_experiment  # noqa: E402
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -63,13 +63,12 @@ def run_or_reuse(config: ExperimentConfig, run_dir: Path, engine: str | None = N
 def check_same_experiment(stored: ExperimentConfig, wanted: ExperimentConfig, run_dir: Path) -> None:
     """Refuse to continue a stopped run whose config is not the benchmark's (a folder left from an
     earlier version of the benchmark, or another scale): its rounds would be mixed into the table.
-    The ``simulation`` section is how the rounds execute, not what they compute: it may differ."""
-    stored_dict, wanted_dict = config_to_dict(stored), config_to_dict(wanted)
-    differing = sorted(key for key in stored_dict.keys() | wanted_dict.keys()
-                       if key != "simulation" and stored_dict.get(key) != wanted_dict.get(key))
+    How the rounds execute (the keys a resume may change in place, ``runner.EXECUTION_KEYS``) may
+    differ, as ``fedcluster compare`` allows when it continues a stopped comparison."""
+    differing = config_differences(config_to_dict(stored), config_to_dict(wanted), EXECUTION_KEYS)
     if differing:
         raise SystemExit(f"{run_dir}: a stopped run of another experiment (its config.yaml differs in "
-                         f"{', '.join(differing)}); delete the folder or give another --out")
+                         f"{', '.join(key for key, _, _ in differing)}); delete the folder or give another --out")
 
 
 def value_at(rows: list[dict[str, Any]], key: str, round_number: int) -> Any:

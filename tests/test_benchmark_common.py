@@ -50,6 +50,6 @@ def test_a_stopped_run_of_another_experiment_is_refused_with_what_differs(tmp_pa
     run_in_process(tiny("strategy.name=local"), tmp_path / "cell", stop_after=1)
     before = sorted(p.name for p in (tmp_path / "cell").iterdir())
     with pytest.raises(SystemExit, match=r"cell: a stopped run of another experiment \(its config.yaml differs in "
-                                         r"strategy\); delete the folder"):
+                                         r"strategy.client_fraction, strategy.name\); delete the folder"):
         common.run_or_reuse(tiny(), tmp_path / "cell", "inprocess")
     assert sorted(p.name for p in (tmp_path / "cell").iterdir()) == before
