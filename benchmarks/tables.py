@@ -183,12 +183,12 @@ def collapsed_clients(copy: Path) -> list[int]:
     summary = read_summary(copy)
     if "clients_no_better_than_majority" in summary:
         return summary["clients_no_better_than_majority"]
-    from fedcluster_flwr.experiment import experiment_data, majority_accuracy
+    from fedcluster_flwr.experiment import Experiment
     from fedcluster_flwr.round_log import no_better_than_majority
 
-    pool, partition = experiment_data(load_config(copy / "config.yaml", [])[0])
+    experiment = Experiment(load_config(copy / "config.yaml", [])[0])
     accuracy = {int(pid): value for pid, value in summary["client_accuracy"].items()}
-    return no_better_than_majority(accuracy, majority_accuracy(pool.labels, partition))
+    return no_better_than_majority(accuracy, experiment.majority_accuracy())
 
 
 def record_attempt(run_dir: Path, engine: str, seconds: float, resumed_from: int) -> None:

@@ -17,7 +17,7 @@ from .config.load import config_to_dict
 from .config.sections import ExperimentConfig
 from .data.device import CLIENT_ID, CLUSTER_ID, DATA_DIR, MANIFEST_FILE, NPZ_FILE, SPLITS
 from .data.sources import normalization
-from .experiment import client_data, experiment_data
+from .experiment import Experiment
 
 
 def config_hash(config_dict: Mapping[str, Any]) -> str:
@@ -35,13 +35,14 @@ def export_partitions(config: ExperimentConfig, out_dir: Path | str, images: boo
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     plain = config_to_dict(config)
-    pool, partition = experiment_data(config)
+    experiment = Experiment(config)
+    pool, partition = experiment.data()
     mean, std = normalization(pool.mean, pool.std, config.dataset.scaling)  # what the model inputs were made with
     clients = []
     for pid in range(config.partition.num_clients):
         folder = out / f"client_{pid}"
         folder.mkdir(exist_ok=True)
-        data = client_data(config, pid)
+        data = experiment.client_data(pid)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
         if data.x_val is not None and data.y_val is not None:
             arrays |= {"x_val": data.x_val, "y_val": data.y_val}

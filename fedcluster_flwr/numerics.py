@@ -140,7 +140,7 @@ def configure_torch(config: ExperimentConfig, clients_here: bool = True) -> None
     """Set up this process's torch as ``config`` asks, or refuse what this machine cannot honour:
     ``simulation.portable_numerics``, ``client.device`` and ``simulation.deterministic``.
 
-    The switches are per process, so each process calls it: :func:`make_client` in every client's
+    The switches are per process, so each process calls it: ``Experiment.client`` in every client's
     (under ``flwr run`` the first to read the config), and ``fedcluster run`` in its driver before
     Ray starts, so that a mistake is one error line before any worker and the workers inherit the
     environment pins (the driver's own torch work then follows the clients' rules, as it does when
@@ -162,3 +162,9 @@ def configure_driver_torch(config: ExperimentConfig) -> None:
     simulation's process): the clients run on this machine unless ``simulation.ray_address`` joins
     a cluster, whose machines check their own GPUs."""
     configure_torch(config, clients_here=config.simulation.ray_address is None)
+
+
+def client_device(config: ExperimentConfig) -> torch.device:
+    """Where the clients train: ``client.device``, ``auto`` meaning the GPU where there is one."""
+    device = config.client.device
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")

@@ -7,13 +7,12 @@ Nothing here knows the strategies: what a phase means comes in as data (``phase_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .registry import strategies
 from .run_files import RoundRow, read_rounds, read_run_config
 
 if TYPE_CHECKING:
@@ -360,14 +359,14 @@ def run_title(config: ExperimentConfig) -> str:
     return f"{config.strategy.name} on {config.dataset.name} / {config.partition.name} ({config.partition.num_clients} clients)"
 
 
-def strategy_phase_words() -> dict[str, str]:
-    """How the plots' legend words the registered strategies' phases where "<phase> rounds"
-    (:func:`phase_words`' default) would not say it: each strategy class's
-    own phases (``phase_words``: "pretrain" -> "local pretraining") and a gossip strategy's exchange
-    rounds ("dac" -> "dac gossip exchanges", its ``round_word``)."""
+def strategy_phase_words(classes: Iterable[type]) -> dict[str, str]:
+    """How the plots' legend words the phases of the strategy ``classes`` (a run's own: its
+    strategy class) where "<phase> rounds" (:func:`phase_words`' default) would not say it: each
+    class's own phases (``phase_words``: "pretrain" -> "local pretraining") and a gossip strategy's
+    exchange rounds ("dac" -> "dac gossip exchanges", its ``round_word``)."""
     words: dict[str, str] = {}
-    for name, cls in strategies().items():
+    for cls in classes:
         words.update(cls.phase_words)
         if cls.round_word != "rounds":
-            words[name] = f"{name} {cls.round_word}"
+            words[cls.name] = f"{cls.name} {cls.round_word}"
     return words

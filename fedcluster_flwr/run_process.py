@@ -114,15 +114,17 @@ def simulate(job: Job, on_round: Any) -> None:
     needs a SuperLink process and an installed app (a FAB) per run, which ``fedcluster run``'s
     supervision of one process group would have to start, watch and stop (docs/how-to/flwr-run.md,
     "Which Flower API")."""
+    from .experiment import Experiment
     from .numerics import configure_driver_torch
 
     configure_driver_torch(job.config)  # before this process's first torch operation; Ray workers inherit the pins
+    experiment = Experiment(job.config)  # this process's one
     if job.config.simulation.engine != "ray":
         from .apps.server_app import run_in_process
 
         with _quiet(job.verbose):
             run_in_process(
-                job.config, job.run_dir, resume=job.resume_from > 0, stop_after=job.stop_after, on_round=on_round
+                experiment, job.run_dir, resume=job.resume_from > 0, stop_after=job.stop_after, on_round=on_round
             )
         return
     from flwr.simulation import run_simulation
@@ -136,9 +138,9 @@ def simulate(job: Job, on_round: Any) -> None:
     with _quiet(job.verbose):
         run_simulation(
             server_app=ExperimentServerApp(
-                config, job.run_dir, on_round=on_round, resume=job.resume_from > 0, stop_after=job.stop_after
+                experiment, job.run_dir, on_round=on_round, resume=job.resume_from > 0, stop_after=job.stop_after
             ),
-            client_app=FedclusterClientApp(config),
+            client_app=FedclusterClientApp(experiment),
             num_supernodes=config.partition.num_clients,
             backend_config=backend_config(config, job.verbose),
             verbose_logging=job.verbose,

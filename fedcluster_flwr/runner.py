@@ -230,7 +230,7 @@ def _restore(handlers: dict[int, Any]) -> None:
 def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -> None:
     """Catch user mistakes before Ray starts: data, partition, GPU, a used results directory, a Ray
     cluster that does not answer; then claim a fresh run's directory (recorder.claim_run_dir)."""
-    from .experiment import experiment_data
+    from .experiment import Experiment
     from .numerics import configure_driver_torch
 
     if not resuming:
@@ -239,7 +239,7 @@ def preflight(config: ExperimentConfig, run_dir: Path, resuming: bool = False) -
         raise ConfigError("--out", f"{run_dir} cannot hold the results: {problem}; give another directory")
     check_tracking(config.tracking)  # a missing tracker package: one line, before anything starts
     configure_driver_torch(config)  # before this process's first torch operation; Ray workers inherit the pins
-    experiment_data(config)
+    Experiment(config).data()  # loaded here, so that a data mistake is one line before Ray starts
     check_ray_address(config)
     if not resuming:  # last: a mistake found above leaves no folder behind; a race on --out is lost here
         claim_run_dir(run_dir, "--out")
@@ -426,8 +426,6 @@ BRANCH_FIXED = keys_with(ExperimentConfig, FIXED_ON_BRANCH)
 def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[str, Any]) -> None:
     """Refuse a branch that changes what produced the checkpoint: the experiment (data, model,
     training, seed), the strategy, or a strategy option the run already acted on."""
-    from .registry import strategies
-
     require(before.strategy.name == after.strategy.name, "strategy.name",
             f"a branch continues the {before.strategy.name} checkpoint of RUN_DIR; start a new run for another strategy")
     old, new = config_to_dict(before), config_to_dict(after)
@@ -439,7 +437,7 @@ def check_branch(before: ExperimentConfig, after: ExperimentConfig, state: dict[
             "a branch continues the checkpoint of RUN_DIR, so it cannot change what produced it "
             f"({', '.join(BRANCH_FIXED)}); start a new run instead",
         )
-    for option in strategies()[before.strategy.name].options_fixed_by(state["strategy"]):
+    for option in before.strategy.strategy_class.options_fixed_by(state["strategy"]):
         require(
             getattr(before.strategy.options, option) == getattr(after.strategy.options, option),
             f"strategy.{option}",

@@ -29,6 +29,7 @@ from fedcluster_flwr.apps.server_app import (
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.data.device import NodeConfigError
 from fedcluster_flwr.engines.inprocess import InProcessGrid, partition_node_configs
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.run_files import format_summary, read_summary
 
 
@@ -75,12 +76,12 @@ def test_the_client_app_builds_the_client_of_its_partition():
     assert client.identity()["partition_id"] == 3
 
 
-def test_the_client_app_of_fedcluster_run_travels_to_ray_actors_as_its_config():
+def test_the_client_app_of_fedcluster_run_travels_to_ray_actors_as_its_experiment():
     config, _ = load_config(DEFAULT_CONFIG, [("client.epochs", 2)])
-    pickled = cloudpickle.dumps(FedclusterClientApp(config))
-    assert b"<locals>" not in pickled and b"functools" not in pickled  # the config, not its handlers pickled by value
+    pickled = cloudpickle.dumps(FedclusterClientApp(Experiment(config)))
+    assert b"<locals>" not in pickled and b"functools" not in pickled  # the experiment, not its handlers pickled by value
     loaded = cloudpickle.loads(pickled)
-    assert isinstance(loaded, FedclusterClientApp) and loaded.config == config
+    assert isinstance(loaded, FedclusterClientApp) and loaded.experiment(context()).config == config
     assert {"train.default", "evaluate.default", "query.identify"} <= set(loaded._registered_funcs)  # a working ClientApp
 
 

@@ -377,14 +377,14 @@ def _run_app(case: Case, tmp: Path, stderr: io.StringIO, user_errors: tuple[type
     from fedcluster_flwr.config.load import load_config
     from fedcluster_flwr.data.device import node_data_source
     from fedcluster_flwr.apps.run_config import config_from_run_config
-    from fedcluster_flwr.experiment import make_client
+    from fedcluster_flwr.experiment import Experiment
 
     try:
         if case.run_config is not None:
             config_from_run_config({"config": "conf/default.yaml", **{k: _fill(v, tmp) for k, v in case.run_config.items()}})
         else:
             source = node_data_source(dict(case.node_config))
-            make_client(load_config(DEFAULT_CONFIG)[0], source.pid, source.num_partitions)
+            Experiment(load_config(DEFAULT_CONFIG)[0]).client(source.pid, source.num_partitions)
     except user_errors as err:
         print(f"error: {err}", file=stderr)
         return 2

@@ -17,7 +17,7 @@ from fedcluster_flwr import protocol
 from fedcluster_flwr.apps.client_app import FedclusterClientApp
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of, partition_node_configs
-from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.algorithms.base.selection import TRAIN_SELECT
 from fedcluster_flwr.training import get_weights
 
@@ -61,7 +61,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def grid(cfg):
-    return InProcessGrid(FedclusterClientApp(cfg, keep_clients=True), partition_node_configs(cfg.partition.num_clients))
+    return InProcessGrid(FedclusterClientApp(Experiment(cfg), keep_clients=True), partition_node_configs(cfg.partition.num_clients))
 
 
 def test_identify_tells_the_partition(cfg, grid):
@@ -69,17 +69,17 @@ def test_identify_tells_the_partition(cfg, grid):
     (reply,) = grid.send_and_receive([Message(content, node_id_of(3), protocol.IDENTIFY.message_type)])
     assert dict(reply.content[protocol.METRICS]) == {"partition_id": 3, "num_partitions": cfg.partition.num_clients,
                                                       "own_data": 0}
-    client = make_client(cfg, 3, cfg.partition.num_clients)
-    _, partition = experiment_data(cfg)
+    client = Experiment(cfg).client(3, cfg.partition.num_clients)
+    _, partition = Experiment(cfg).data()
     assert client.num_train == len(partition.train_indices[3])
     assert len(client.data.y_test) == len(partition.test_indices[3])
 
 
 def test_fit_trains_and_lowers_the_training_loss(cfg, grid):
-    start = initial_weights(cfg)
+    start = Experiment(cfg).weights()
     weights, num_examples, metrics = fit(grid, 0, protocol.TRAIN, 1, start)
     assert [w.shape for w in weights] == [w.shape for w in start]
-    assert num_examples == make_client(cfg, 0, cfg.partition.num_clients).num_train
+    assert num_examples == Experiment(cfg).client(0, cfg.partition.num_clients).num_train
     assert list(metrics) == ["train_loss"]
     loss_before, _, _ = evaluate(grid, 0, start)
     loss_after, _, result = evaluate(grid, 0, weights)
@@ -88,7 +88,7 @@ def test_fit_trains_and_lowers_the_training_loss(cfg, grid):
 
 
 def test_fit_is_reproducible_for_a_round_and_differs_across_rounds(cfg, grid):
-    start = initial_weights(cfg)
+    start = Experiment(cfg).weights()
     first, _, _ = fit(grid, 1, protocol.TRAIN, 5, start)
     again, _, _ = fit(grid, 1, protocol.TRAIN, 5, start)
     other, _, _ = fit(grid, 1, protocol.TRAIN, 6, start)
@@ -99,10 +99,10 @@ def test_fit_is_reproducible_for_a_round_and_differs_across_rounds(cfg, grid):
 def test_two_clients_train_the_same_model_on_their_own_data_orders(cfg):
     """Each client's randomness stream is its own: two clients that held the same data would still see
     their batches in another order (the seed is (run seed, round, partition id))."""
-    twin = make_client(cfg, 1, cfg.partition.num_clients)
+    twin = Experiment(cfg).client(1, cfg.partition.num_clients)
     twin.pid = 0  # client 1's data under client 0's stream
-    one = make_client(cfg, 1, cfg.partition.num_clients)
-    start = initial_weights(cfg)
+    one = Experiment(cfg).client(1, cfg.partition.num_clients)
+    start = Experiment(cfg).weights()
     models = [client.load_model(start) for client in (one, twin)]
     for client, model in zip((one, twin), models):
         client.train_model(model, 1)
@@ -127,9 +127,9 @@ def test_a_clients_data_order_follows_the_runs_seed():
     models = []
     for seed in (0, 1):
         cfg = config(f"seed={seed}")
-        client = make_client(cfg, 0, cfg.partition.num_clients)
-        client.data = make_client(config("seed=0"), 0, cfg.partition.num_clients).data  # the same data for both
-        model = client.load_model(initial_weights(config("seed=0")))
+        client = Experiment(cfg).client(0, cfg.partition.num_clients)
+        client.data = Experiment(config("seed=0")).client(0, cfg.partition.num_clients).data  # the same data for both
+        model = client.load_model(Experiment(config("seed=0")).weights())
         client.train_model(model, 1)
         models.append(get_weights(model))
     assert not all(np.array_equal(a, b) for a, b in zip(*models))
@@ -160,14 +160,14 @@ def test_the_largest_lr_and_weight_decay_a_config_takes_never_overflow_the_optim
 
     cfg = config(f"client.lr={OPTIMIZER_FACTOR_MAX}", f"client.weight_decay={OPTIMIZER_FACTOR_MAX}",
                  f"client.optimizer={optimizer}", "client.momentum=0.9")
-    client = make_client(cfg, 0, cfg.partition.num_clients)
-    client.train_model(client.load_model(initial_weights(cfg)), 1)  # no overflow
+    client = Experiment(cfg).client(0, cfg.partition.num_clients)
+    client.train_model(client.load_model(Experiment(cfg).weights()), 1)  # no overflow
     with pytest.raises(ConfigError, match=r"^lr: must be in \(0, 1e\+37\], got 1e\+39"):
         replace(client.settings, lr=1e39)  # the settings type itself refuses it, wherever it is made
     # past the bound, torch refuses the step: shown with settings that skip the declarations
     data, past = client.data, SimpleNamespace(**(asdict(client.settings) | {"lr": 1e39}))
     with pytest.raises(RuntimeError, match="cannot be converted to type float without overflow"):
-        train(client.load_model(initial_weights(cfg)), data.x_train, data.y_train, past, torch.Generator(), client.device)
+        train(client.load_model(Experiment(cfg).weights()), data.x_train, data.y_train, past, torch.Generator(), client.device)
     with pytest.raises(ConfigError, match=r"^client.lr: must be in \(0, 1e\+37\], got 1e\+38 \(at most 1e37: Adam's"):
         config("client.lr=1e38")
     with pytest.raises(ConfigError, match=r"^client.weight_decay: must be in \[0, 1e\+37\], got 1e\+300 \(at most"):
@@ -175,7 +175,7 @@ def test_the_largest_lr_and_weight_decay_a_config_takes_never_overflow_the_optim
 
 
 def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg, grid):
-    untrained = initial_weights(cfg)
+    untrained = Experiment(cfg).weights()
     trained = untrained
     for rnd in range(1, 4):
         trained, _, _ = fit(grid, 0, protocol.TRAIN, rnd, trained)
@@ -186,7 +186,7 @@ def test_train_select_picks_the_model_with_the_lowest_training_loss(cfg, grid):
 
 
 def test_a_malformed_instruction_is_the_clients_failure_naming_what_is_wrong(cfg, grid):
-    content = TRAIN_SELECT.instruction({protocol.MODELS: [initial_weights(cfg)]}, {}, 1)
+    content = TRAIN_SELECT.instruction({protocol.MODELS: [Experiment(cfg).weights()]}, {}, 1)
     content["models.3"] = content.pop(protocol.MODELS)
     (reply,) = grid.send_and_receive([Message(content, node_id_of(0), TRAIN_SELECT.message_type)])
     assert reply.error.reason == "ProtocolError: task 'train_select': block 'models' must travel as ['models'], got ['models.3']"
@@ -211,9 +211,10 @@ def test_the_client_app_serves_every_registered_task_under_its_message_type():
         "from flwr.app import ConfigRecord, Message, RecordDict\n"
         "from fedcluster_flwr.apps.client_app import FedclusterClientApp\n"
         "from fedcluster_flwr.config.load import load_config\n"
+        "from fedcluster_flwr.experiment import Experiment\n"
         "from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of, partition_node_configs\n"
         f"config, _ = load_config({str(DEFAULT_CONFIG)!r})\n"
-        "app = FedclusterClientApp(config)\n"
+        "app = FedclusterClientApp(Experiment(config))\n"
         "grid = InProcessGrid(app, partition_node_configs(config.partition.num_clients))\n"
         "answers = {}\n"
         "for name, (task, _) in registry.HANDLERS.items():\n"
@@ -236,16 +237,16 @@ def test_the_client_app_serves_every_registered_task_under_its_message_type():
 
 def test_fault_injection_fails_only_in_its_rounds(cfg, grid):
     with pytest.raises(ClientFailed, match="SimulatedClientFailure: client 2 fails in round 4"):
-        fit(grid, 2, protocol.TRAIN, 4, initial_weights(cfg))
-    fit(grid, 2, protocol.TRAIN, 3, initial_weights(cfg))
-    evaluate(grid, 2, initial_weights(cfg))  # evaluation never fails on purpose
+        fit(grid, 2, protocol.TRAIN, 4, Experiment(cfg).weights())
+    fit(grid, 2, protocol.TRAIN, 3, Experiment(cfg).weights())
+    evaluate(grid, 2, Experiment(cfg).weights())  # evaluation never fails on purpose
 
 
 def test_label_swapped_clients_see_their_group_labels(cfg):
     """Group 1 swaps labels 2 and 3: its client's test labels are relabelled accordingly."""
-    pool, partition = experiment_data(cfg)
+    pool, partition = Experiment(cfg).data()
     pid = int(np.flatnonzero(partition.true_clusters == 1)[0])
-    client = make_client(cfg, pid, cfg.partition.num_clients)
+    client = Experiment(cfg).client(pid, cfg.partition.num_clients)
     original = pool.labels[partition.test_indices[pid]]
     seen = client.data.y_test.numpy()
     swap = {2: 3, 3: 2}
@@ -254,14 +255,14 @@ def test_label_swapped_clients_see_their_group_labels(cfg):
 
 def test_partition_id_outside_the_partition_is_refused(cfg):
     with pytest.raises(ValueError, match="partition-id 99"):
-        make_client(cfg, 99, 100)
+        Experiment(cfg).client(99, 100)
 
 
 def test_a_received_model_is_a_trainable_copy_of_the_arrays_in_the_models_dtypes(cfg):
     """Built on the meta device and assigned: real CPU float32 parameters that train, a float64
     array does not turn a layer float64, and training never writes into the received arrays."""
-    client = make_client(cfg, 0, cfg.partition.num_clients)
-    arrays = [a.astype(np.float64) for a in initial_weights(cfg)]
+    client = Experiment(cfg).client(0, cfg.partition.num_clients)
+    arrays = [a.astype(np.float64) for a in Experiment(cfg).weights()]
     kept = [a.copy() for a in arrays]
     model = client.load_model(arrays)
     assert {(p.device.type, p.dtype, p.requires_grad) for p in model.parameters()} == {("cpu", torch.float32, True)}

@@ -12,7 +12,7 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr import protocol
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.experiment import experiment_data, initial_weights, make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.protocol import MODEL, MODELS
 from fedcluster_flwr.algorithms.dac.math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
 from fedcluster_flwr.algorithms.dac.pens import PENS
@@ -278,9 +278,9 @@ def test_a_train_instruction_with_epochs_trains_for_that_many_epochs():
             return 0.0
 
     config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
-    client = make_client(config, 0, config.partition.num_clients)
+    client = Experiment(config).client(0, config.partition.num_clients)
     client.compute = RecordingCompute()
-    model = initial_weights(config)
+    model = Experiment(config).weights()
     train_received_model(client, TaskInput(1, {MODEL: [model]}, {}))
     train_received_model(client, TaskInput(1, {MODEL: [model]}, {protocol.EPOCHS_KEY: 5}))
     assert seen == [config.client.epochs, 5]
@@ -333,9 +333,9 @@ def test_local_never_receives_another_clients_model(tmp_path):
 
 def test_the_client_merges_own_and_neighbours_by_sample_counts(monkeypatch):
     config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
-    client = make_client(config, 0, config.partition.num_clients)
+    client = Experiment(config).client(0, config.partition.num_clients)
     monkeypatch.setattr(type(client), "train_model", lambda self, model, rnd: 0.0)  # keep the merge visible
-    shapes = [a.shape for a in initial_weights(config)]
+    shapes = [a.shape for a in Experiment(config).weights()]
     own = [np.full(s, 1.0, np.float32) for s in shapes]
     neighbours = [[np.full(s, 4.0, np.float32) for s in shapes], [np.full(s, 10.0, np.float32) for s in shapes]]
     inputs = TaskInput(3, {MODELS: [own, *neighbours]}, {"samples_0": 2 * client.num_train, "samples_1": client.num_train})
@@ -349,7 +349,7 @@ def test_a_validation_split_is_held_out_of_training_and_selects_the_reported_mod
     overrides = ["strategy.name=fedavg", "partition.val_fraction=0.1"]
     config, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in overrides])
     plain, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
-    with_val, without = experiment_data(config)[1], experiment_data(plain)[1]
+    with_val, without = Experiment(config).data()[1], Experiment(plain).data()[1]
     for pid in range(config.partition.num_clients):
         np.testing.assert_array_equal(with_val.test_indices[pid], without.test_indices[pid])
         assert set(with_val.train_indices[pid]) | set(with_val.val_indices[pid]) == set(without.train_indices[pid])
@@ -427,11 +427,11 @@ def test_pens_selection_candidates_draws_more_peers_while_selecting_and_num_neig
 
 def test_a_pens_client_merges_only_its_lowest_loss_neighbours(monkeypatch):
     config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
-    client = make_client(config, 0, config.partition.num_clients)
+    client = Experiment(config).client(0, config.partition.num_clients)
     monkeypatch.setattr(type(client), "train_model", lambda self, model, rnd, epochs=None: 0.0)
     # each model's loss on the client's data: its constant value (4, 10, 7)
     monkeypatch.setattr(type(client), "training_loss", lambda self, model: float(next(model.parameters()).detach().flatten()[0]))
-    shapes = [a.shape for a in initial_weights(config)]
+    shapes = [a.shape for a in Experiment(config).weights()]
     own, *neighbours = [[np.full(s, v, np.float32) for s in shapes] for v in (1.0, 4.0, 10.0, 7.0)]
     counts = {f"samples_{j}": client.num_train for j in range(3)}
     output = merge_neighbours_and_train(client, TaskInput(3, {MODELS: [own, *neighbours]},

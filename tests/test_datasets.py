@@ -52,13 +52,13 @@ def test_unit_scaling_keeps_the_inputs_in_0_1_and_reaches_the_clients(digits):
     torch.testing.assert_close(x, digits.images.to(torch.float32) / 16.0)
     from conftest import DEFAULT_CONFIG
     from fedcluster_flwr.config.load import load_config
-    from fedcluster_flwr.experiment import client_data
+    from fedcluster_flwr.experiment import Experiment
 
     config, _ = load_config(DEFAULT_CONFIG, [("dataset.scaling", "unit")])
-    data = client_data(config, 0)
+    data = Experiment(config).client_data(0)
     assert float(data.x_train.min()) >= 0.0 and float(data.x_train.max()) <= 1.0
     standardized, _ = load_config(DEFAULT_CONFIG, [])
-    assert float(client_data(standardized, 0).x_train.min()) < 0.0
+    assert float(Experiment(standardized).client_data(0).x_train.min()) < 0.0
 
 
 def test_tensors_selects_the_given_indices(digits):

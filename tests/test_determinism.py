@@ -14,7 +14,7 @@ import torch
 
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.experiment import make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.models import build_model
 from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.training import TrainSettings, get_weights, train, use_deterministic_kernels
@@ -49,7 +49,7 @@ def config(*overrides: str):
 
 def test_the_option_sets_the_switches_and_leaves_cpu_training_unchanged(restore_torch_flags):
     before = briggs_cnn_trained(torch.device("cpu"))
-    make_client(config("simulation.deterministic=true", "client.device=cpu"), 0, 20)
+    Experiment(config("simulation.deterministic=true", "client.device=cpu")).client(0, 20)
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -61,7 +61,7 @@ def test_the_option_sets_the_switches_and_leaves_cpu_training_unchanged(restore_
 def test_a_conflicting_cublas_setting_is_a_config_error(restore_torch_flags, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
     with pytest.raises(ConfigError, match=r"simulation\.deterministic: .*CUBLAS_WORKSPACE_CONFIG=:4096:8 .* ':0:0'"):
-        make_client(config("simulation.deterministic=true"), 0, 20)
+        Experiment(config("simulation.deterministic=true")).client(0, 20)
 
 
 @needs_cuda

@@ -17,7 +17,7 @@ from fedcluster_flwr.data import DataError
 from fedcluster_flwr.data.device import NodeConfigError, load_device_data, node_data_source
 from fedcluster_flwr.data.sources import InputFormat, input_format
 from fedcluster_flwr.export import config_hash, export_partitions
-from fedcluster_flwr.experiment import client_data
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from helpers import SyntheticGrid, SyntheticNode, constant_model, synthetic_round, make_setup
 
@@ -44,7 +44,7 @@ def test_an_exported_partition_gives_the_data_dir_client_exactly_the_simulated_c
     assert manifest["num_clients"] == config.partition.num_clients
     for entry in manifest["clients"]:
         pid = entry["client_id"]
-        simulated = client_data(config, pid)
+        simulated = Experiment(config).client_data(pid)
         device = load_device_data(tmp_path / entry["dir"], input_format(config))
         for got, expected in zip(splits(device) + [device.x_val, device.y_val],
                                  splits(simulated) + [simulated.x_val, simulated.y_val]):
@@ -78,7 +78,7 @@ def test_an_image_folder_tree_is_read_as_the_simulation_normalises_it(tmp_path):
     export_partitions(config, tmp_path, images=True)
     (tmp_path / "client_1" / "data.npz").unlink()  # the folder now holds only the PNG tree
     device = load_device_data(tmp_path / "client_1", InputFormat.builtin("digits"))
-    simulated = client_data(config, 1)
+    simulated = Experiment(config).client_data(1)
     for x_device, y_device, x_sim, y_sim in ((device.x_train, device.y_train, simulated.x_train, simulated.y_train),
                                              (device.x_test, device.y_test, simulated.x_test, simulated.y_test)):
         assert sorted(y_device.tolist()) == sorted(y_sim.tolist())
@@ -95,7 +95,7 @@ def test_with_unit_scaling_the_image_tree_and_the_device_keep_inputs_in_0_1(tmp_
     export_partitions(config, tmp_path, images=True)
     (tmp_path / "client_2" / "data.npz").unlink()
     device = load_device_data(tmp_path / "client_2", input_format(config))
-    simulated = client_data(config, 2)
+    simulated = Experiment(config).client_data(2)
     assert float(simulated.x_train.min()) >= 0.0 and float(simulated.x_train.max()) <= 1.0
     np.testing.assert_allclose(np.sort(device.x_train.flatten().numpy()), np.sort(simulated.x_train.flatten().numpy()),
                                atol=1 / 255 / 2 + 1e-6)
@@ -173,7 +173,7 @@ def test_the_client_app_builds_a_data_dir_client_that_reports_its_id_size_and_cl
     client = app.client(context({"data-dir": str(tmp_path / "client_2"), "client-id": 2, "cluster-id": 2},
                                 "partition.num_clients=3"))
     assert client.identity() == {"partition_id": 2, "num_partitions": 3, "own_data": 1,
-                                 "train_examples": len(client_data(config, 2).y_train), "true_cluster": 2}
+                                 "train_examples": len(Experiment(config).client_data(2).y_train), "true_cluster": 2}
     anonymous = app.client(context({"data-dir": str(tmp_path / "client_0"), "client-id": 0}, "partition.num_clients=3"))
     assert anonymous.identity()["true_cluster"] == -1  # the device does not know it
     with pytest.raises(ValueError, match="client-id 5 is outside 0..2"):

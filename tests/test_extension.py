@@ -16,7 +16,7 @@ from helpers import connect_test_run, assert_same_state, rows_without_timing
 from fedcluster_flwr import registry
 from fedcluster_flwr.client import TaskInput, TaskOutput
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.experiment import make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
 from fedcluster_flwr.checkpoints import load_checkpoint
@@ -129,7 +129,7 @@ def test_a_toy_strategy_gets_non_model_replies_through_the_public_hooks(tmp_path
 
     assert sorted(strategy.losses[1]) == list(range(20))
     assert 4 not in strategy.losses[2] and len(strategy.losses[2]) == 19  # the failed client is left out
-    probe_client = make_client(config, 7, 20)
+    probe_client = Experiment(config).client(7, 20)
     _, accuracy = evaluate(probe_client.load_model(strategy.models[0]), probe_client.data.x_test,
                            probe_client.data.y_test, probe_client.device)
     assert accuracy == pytest.approx(strategy.observer.latest_accuracy[7])  # the model evaluated is the strategy's

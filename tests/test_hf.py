@@ -17,7 +17,7 @@ import pytest
 from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.data import DataError
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.experiment import experiment_data
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.run_files import format_summary, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
 
@@ -126,7 +126,7 @@ def test_a_parquet_folder_written_from_arrays_is_the_pool(tmp_path, monkeypatch)
     images, labels = quadrant_images(40)
     config = hf_config(parquet_folder(tmp_path / "parquet", images, labels), tmp_path)
     assert config.input_shape == (1, SIZE, SIZE) and config.num_classes == NUM_CLASSES  # read from the data
-    pool, _ = experiment_data(config)
+    pool, _ = Experiment(config).data()
     assert pool.images.dtype.is_floating_point is False and pool.scale == 255.0
     assert np.array_equal(pool.images[:, 0].numpy(), images) and np.array_equal(pool.labels, labels)
     assert pool.mean[0] == pytest.approx(images.mean() / 255, rel=1e-9) and pool.std[0] == pytest.approx(images.std() / 255, rel=1e-6)
@@ -148,9 +148,9 @@ def test_a_save_to_disk_folder_loads_through_load_from_disk_and_joins_splits(tmp
     """Read by load_dataset, a save_to_disk folder would be one row per file (the trap)."""
     images, labels = quadrant_images(30)
     folder = saved_folder(tmp_path / "saved", images[:20], labels[:20], images[20:], labels[20:])
-    pool, _ = experiment_data(hf_config(folder, tmp_path, ("partition.num_clients", 2)))
+    pool, _ = Experiment(hf_config(folder, tmp_path, ("partition.num_clients", 2))).data()
     assert len(pool.labels) == 20 and np.array_equal(pool.images[:, 0].numpy(), images[:20])
-    joined, _ = experiment_data(hf_config(folder, tmp_path, ("partition.num_clients", 2), split="train+test"))
+    joined, _ = Experiment(hf_config(folder, tmp_path, ("partition.num_clients", 2), split="train+test")).data()
     assert np.array_equal(joined.labels, labels)
     one_line_error(ConfigError, r"^dataset.split: 'validation' is not a split of .*; its splits: train, test$",
                    lambda: hf_config(folder, tmp_path, split="validation"))
@@ -162,19 +162,18 @@ def test_its_partitions_export_to_devices_and_its_png_tree_undoes_the_pools_own_
     tree is the original 8-bit pixels (un-standardised by the pool's own mean and std)."""
     from fedcluster_flwr.data.device import load_device_data
     from fedcluster_flwr.data.sources import input_format
-    from fedcluster_flwr.experiment import client_data
     from fedcluster_flwr.export import export_partitions
 
     images, labels = quadrant_images(40)
     config = hf_config(parquet_folder(tmp_path / "parquet", images, labels), tmp_path, ("partition.num_clients", 2))
     export_partitions(config, tmp_path / "export", images=True)
     device = load_device_data(tmp_path / "export" / "client_0", input_format(config))
-    assert np.array_equal(device.x_train.numpy(), client_data(config, 0).x_train.numpy())
+    assert np.array_equal(device.x_train.numpy(), Experiment(config).client_data(0).x_train.numpy())
     pngs = sorted((tmp_path / "export" / "client_0" / "train").rglob("*.png"))
     from PIL import Image
 
     written = np.sort(np.concatenate([np.asarray(Image.open(p)).ravel() for p in pngs]))
-    pool, partition = experiment_data(config)
+    pool, partition = Experiment(config).data()
     original = np.sort(pool.images[partition.train_indices[0]].numpy().ravel())
     assert np.abs(written.astype(int) - original.astype(int)).max() <= 1  # float32 round trip, then rounding
 
@@ -185,7 +184,7 @@ def test_colour_images_are_channels_first_with_their_own_channel_statistics(tmp_
     images = rng.integers(0, 256, (12, 6, 5, 3), dtype=np.uint8)
     config = hf_config(parquet_folder(tmp_path / "rgb", images, np.arange(12) % 4), tmp_path,
                        ("partition.num_clients", 2))
-    pool, _ = experiment_data(config)
+    pool, _ = Experiment(config).data()
     assert config.input_shape == (3, 6, 5) and tuple(pool.images.shape) == (12, 3, 6, 5)
     assert np.array_equal(pool.images.numpy(), images.transpose(0, 3, 1, 2))
     assert pool.mean == pytest.approx(tuple(images.mean(axis=(0, 1, 2)) / 255), rel=1e-9)
@@ -252,7 +251,7 @@ def test_images_of_different_sizes_or_out_of_range_pixels_are_one_line(tmp_path)
     folder.mkdir()
     hf_dataset(mixed, labels).to_parquet(str(folder / "train.parquet"))
     config = hf_config(folder, tmp_path, ("partition.num_clients", 1))  # the first image gives the shape
-    one_line_error(DataError, r"differ in shape \(\(8, 8\) and \(9, 8\)", lambda: experiment_data(config))
+    one_line_error(DataError, r"differ in shape \(\(8, 8\) and \(9, 8\)", lambda: Experiment(config).data())
     bright = tmp_path / "bright"
     bright.mkdir()
     features = Features({"image": Array2D((8, 8), "float32"), "label": ClassLabel(num_classes=4)})
@@ -260,7 +259,7 @@ def test_images_of_different_sizes_or_out_of_range_pixels_are_one_line(tmp_path)
                       features=features).to_parquet(str(bright / "train.parquet"))
     config = hf_config(bright, tmp_path, ("partition.num_clients", 1))
     one_line_error(DataError, r"holds float32 pixels from 0\.0 to .*: expected integers 0\.\.255 or floats in \[0, 1\]$",
-                   lambda: experiment_data(config))
+                   lambda: Experiment(config).data())
 
 
 @needs_extra
@@ -304,7 +303,7 @@ def test_dirichlet_gives_the_librarys_partitions_for_the_same_seed(seed_in_args)
 
     args = {"alpha": 0.5} | ({"seed": 42} if seed_in_args else {})
     config = flwr_config("DirichletPartitioner", args, ("seed", 7))
-    pool, partition = experiment_data(config)
+    pool, partition = Experiment(config).data()
     expected = library_partitions(DirichletPartitioner(num_partitions=10, partition_by="label", alpha=0.5,
                                                        seed=42 if seed_in_args else 7), pool.labels)
     assert clients_samples(partition) == expected
@@ -316,7 +315,7 @@ def test_pathological_gives_the_librarys_partitions_for_the_same_seed():
     from flwr_datasets.partitioner import PathologicalPartitioner
 
     args = {"num_classes_per_partition": 2, "class_assignment_mode": "first-deterministic"}
-    pool, partition = experiment_data(flwr_config("PathologicalPartitioner", args, ("seed", 3)))
+    pool, partition = Experiment(flwr_config("PathologicalPartitioner", args, ("seed", 3))).data()
     expected = library_partitions(PathologicalPartitioner(num_partitions=10, partition_by="label", seed=3, **args),
                                   pool.labels)
     assert clients_samples(partition) == expected
@@ -326,9 +325,9 @@ def test_pathological_gives_the_librarys_partitions_for_the_same_seed():
 @needs_extra
 def test_a_seedless_partitioner_cuts_a_pool_shuffled_with_the_runs_seed():
     """IidPartitioner cuts contiguous slices: here of the pool shuffled by the seed, so seeds differ."""
-    first = clients_samples(experiment_data(flwr_config("IidPartitioner", None, ("seed", 1)))[1])
-    again = clients_samples(experiment_data(flwr_config("IidPartitioner", None, ("seed", 1)))[1])
-    other = clients_samples(experiment_data(flwr_config("IidPartitioner", None, ("seed", 2)))[1])
+    first = clients_samples(Experiment(flwr_config("IidPartitioner", None, ("seed", 1))).data()[1])
+    again = clients_samples(Experiment(flwr_config("IidPartitioner", None, ("seed", 1))).data()[1])
+    other = clients_samples(Experiment(flwr_config("IidPartitioner", None, ("seed", 2))).data()[1])
     assert first == again and first != other
     assert sorted(first[0]) != list(range(min(first[0]), min(first[0]) + len(first[0])))  # not a slice of the pool
 
@@ -349,14 +348,14 @@ def test_flwr_datasets_mistakes_and_the_librarys_errors_are_one_line_naming_the_
     # the library's own errors: too few samples for min_partition_size, a dropped class, a wrong count
     too_few = flwr_config("DirichletPartitioner", {"alpha": 0.01, "min_partition_size": 150})
     one_line_error(ConfigError, r"^partition.args.alpha: DirichletPartitioner: The max number of attempts \(10\) was "
-                                r"reached", lambda: experiment_data(too_few))
+                                r"reached", lambda: Experiment(too_few).data())
     dropped = flwr_config("PathologicalPartitioner", {"num_classes_per_partition": 1}, ("partition.num_clients", 6))
     one_line_error(ConfigError, r"^partition.args.class_assignment_mode: PathologicalPartitioner placed no sample of "
                                 r"classes .* \(\d+ of 1797 samples placed\): set it to first-deterministic",
-                   lambda: experiment_data(dropped))
+                   lambda: Experiment(dropped).data())
     sizes = flwr_config("SizePartitioner", {"partition_sizes": [100, 200, 300]})
     one_line_error(ConfigError, r"^partition.num_clients: SizePartitioner made 3 partitions from its arguments, for 10 "
-                                r"clients: set partition.num_clients to 3$", lambda: experiment_data(sizes))
+                                r"clients: set partition.num_clients to 3$", lambda: Experiment(sizes).data())
 
 
 @needs_extra
@@ -367,5 +366,5 @@ def test_a_flwr_datasets_run_trains_and_its_summary_says_the_scores_do_not_apply
     summary = read_summary(tmp_path)
     assert summary["finished"] and summary["true_clusters"] == [0, 0, 0, 0]
     assert "(one true group: purity, ARI and NMI do not apply)" in format_summary(summary, tmp_path)
-    _, partition = experiment_data(config)
+    _, partition = Experiment(config).data()
     assert all(len(train) + len(test) == 60 for train, test in zip(partition.train_indices, partition.test_indices))

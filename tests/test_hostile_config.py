@@ -297,12 +297,12 @@ def test_the_cost_counts_the_clients_a_round_trains_and_the_gossip_strategies_pr
 @pytest.fixture
 def nothing_started(monkeypatch):
     """Fail the test if the data are read or an engine starts."""
-    import fedcluster_flwr.experiment as experiment
+    from fedcluster_flwr.experiment import Experiment
 
     def refuse(*args, **kwargs):
         raise AssertionError("reached after the output check")
 
-    monkeypatch.setattr(experiment, "experiment_data", refuse)
+    monkeypatch.setattr(Experiment, "data", refuse)
     monkeypatch.setattr(runner, "_run_in_own_process", refuse)
 
 

@@ -40,7 +40,7 @@ from fedcluster_flwr.data import DataError, load_pool
 from fedcluster_flwr.data.device import load_device_data
 from fedcluster_flwr.data.sources import InputFormat
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.experiment import experiment_data, make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.protocol import ACCURACY, CONFIG, EVALUATE, METRICS, MODEL, NUM_EXAMPLES, ROUND_KEY, TEST_LOSS, TRAIN, ProtocolError
 from fedcluster_flwr.recorder import CLAIM_FILE, RunRecorder
 from fedcluster_flwr.declarations.schema import ConfigError
@@ -286,7 +286,7 @@ def test_two_runs_released_together_on_one_folder_exactly_one_runs(tmp_path):
     """Before: both got through the check of an empty folder and wrote their rows into one
     rounds.jsonl (81 times in 100)."""
     config = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("rounds=3", "strategy.rounds_before_clustering=1")])[0]
-    experiment_data(config)  # loaded once here, inherited by the forked runs: they meet at the claim
+    Experiment(config).data()  # loaded once here, inherited by the forked runs: they meet at the claim
     context = multiprocessing.get_context("fork")
     for attempt in range(8):
         run_dir = tmp_path / f"out{attempt}"
@@ -489,7 +489,7 @@ def test_a_client_sent_work_that_never_answers_is_a_failure(tmp_path):
 @pytest.fixture(scope="module")
 def digits_weights():
     config = load_config(DEFAULT_CONFIG, [])[0]
-    client = make_client(config, 0, config.partition.num_clients)
+    client = Experiment(config).client(0, config.partition.num_clients)
     return [a.detach().numpy().copy() for a in client.model_factory().state_dict().values()]
 
 

@@ -15,7 +15,7 @@ from fedcluster_flwr import protocol
 from fedcluster_flwr.client import TaskInput, round_seed
 from fedcluster_flwr.clustering import purity
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.experiment import initial_weights, make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.protocol import MODELS, TRAIN
 from fedcluster_flwr.checkpoints import load_checkpoint
 from fedcluster_flwr.round_log import resume
@@ -59,7 +59,7 @@ from helpers import (
 @pytest.fixture(scope="module")
 def digits_client():
     config, _ = load_config(DEFAULT_CONFIG, [parse_override("strategy.name=fedavg")])
-    return config, make_client(config, 0, config.partition.num_clients)
+    return config, Experiment(config).client(0, config.partition.num_clients)
 
 
 def trained(client, weights, rounds=3):
@@ -76,7 +76,7 @@ def scores(client, models, directions=None, **config):
 
 def test_ifca_picks_the_model_with_the_lowest_training_loss(digits_client):
     config, client = digits_client
-    untrained = initial_weights(config)
+    untrained = Experiment(config).weights()
     good = trained(client, untrained)
     for batch, reduction in ((0, "mean"), (16, "sum"), (16, "mean")):
         metrics = scores(client, [untrained, good, untrained],
@@ -87,7 +87,7 @@ def test_ifca_picks_the_model_with_the_lowest_training_loss(digits_client):
 
 def test_sum_reduction_scales_the_loss_by_the_batch(digits_client):
     config, client = digits_client
-    model = initial_weights(config)
+    model = Experiment(config).weights()
     mean = scores(client, [model], **{SELECTION_BATCH_KEY: 16, LOSS_REDUCTION_KEY: "mean"})
     total = scores(client, [model], **{SELECTION_BATCH_KEY: 16, LOSS_REDUCTION_KEY: "sum"})
     assert total["loss_0"] == pytest.approx(16 * mean["loss_0"], rel=1e-5)
@@ -97,7 +97,7 @@ def test_the_data_that_made_an_update_scores_a_positive_similarity(digits_client
     """S_k = cos(-grad L_k, dw_k): a client whose own training produced dw_k continues in that
     direction, so S_k > 0; the reversed step scores the opposite; a zero step scores 0, not NaN."""
     config, client = digits_client
-    before = initial_weights(config)
+    before = Experiment(config).weights()
     after = trained(client, before, rounds=1)
     step = [a - b for a, b in zip(after, before)]
     model = client.load_model(after)
@@ -110,7 +110,7 @@ def test_the_data_that_made_an_update_scores_a_positive_similarity(digits_client
 
 def test_gradloss_rule_trades_similarity_against_loss_and_lambda_zero_is_ifca(digits_client):
     config, client = digits_client
-    start = initial_weights(config)
+    start = Experiment(config).weights()
     better = trained(client, start, rounds=2)  # lower loss, but a step pointing away from this client
     step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
     away = [-a for a in step_here]
@@ -140,7 +140,7 @@ def test_one_step_returns_the_chosen_model_minus_lr_times_its_gradient_on_the_se
     """Lin et al., eq. 5: w_s - lr * grad L_s(Z), L a sum over the seeded mini-batch Z, checked
     against autograd by hand on the chosen model; no training epochs."""
     config, client = digits_client
-    start = initial_weights(config)
+    start = Experiment(config).weights()
     good = trained(client, start)
     settings = {SELECTION_BATCH_KEY: 16, LOSS_REDUCTION_KEY: "sum", LOCAL_UPDATE_KEY: ONE_STEP, LAMBDA_KEY: 0.2}
     blocks = {MODELS: [start, good]}
@@ -197,7 +197,7 @@ def test_without_selection_settings_the_loss_is_the_mean_over_all_samples_and_la
 def better_model_and_opposite_directions(config, client):
     """Model 1 trained two rounds from the initial model 0; direction 0 is this client's own first
     step, direction 1 its opposite: ``(model 1, the blocks of a one-step selection)``."""
-    start = initial_weights(config)
+    start = Experiment(config).weights()
     better = trained(client, start, rounds=2)
     step_here = [a - b for a, b in zip(trained(client, start, rounds=1), start)]
     return better, {MODELS: [start, better], DIRECTIONS: [step_here, [-a for a in step_here]]}

@@ -26,6 +26,7 @@ from conftest import DEFAULT_CONFIG, ROOT
 from helpers import rows_without_timing
 from fedcluster_flwr import runner
 from fedcluster_flwr.apps.client_app import FedclusterClientApp
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
 from fedcluster_flwr.apps.server_app import RunConfigError, app, run_in_process
 from fedcluster_flwr.client import ClusterClient
@@ -289,13 +290,11 @@ def test_a_supernode_beyond_the_experiment_reports_its_partition_and_the_server_
     from fedcluster_flwr.engines.inprocess import InProcessGrid, node_id_of
 
     config, _ = load_config(DEFAULT_CONFIG)
-    grid = InProcessGrid(FedclusterClientApp(config), [{"partition-id": 25, "num-partitions": 26}])
+    grid = InProcessGrid(FedclusterClientApp(Experiment(config)), [{"partition-id": 25, "num-partitions": 26}])
     content = RecordDict({protocol.CONFIG: ConfigRecord({protocol.ROUND_KEY: 1})})
     (identity,) = grid.send_and_receive([Message(content, node_id_of(0), protocol.IDENTIFY.message_type)])
     assert dict(identity.content[protocol.METRICS]) == {"partition_id": 25, "num_partitions": 26, "own_data": 0}
-    from fedcluster_flwr.experiment import initial_weights
-
-    evaluation = protocol.EVALUATE.instruction({protocol.MODEL: [initial_weights(config)]}, {}, 1)
+    evaluation = protocol.EVALUATE.instruction({protocol.MODEL: [Experiment(config).weights()]}, {}, 1)
     (work,) = grid.send_and_receive([Message(evaluation, node_id_of(0), protocol.EVALUATE.message_type)])
     assert work.error.reason.endswith("partition-id 25 is outside 0..19 (partition.num_clients)")
     directory = ClientDirectory(num_clients=20, federation=Federation(wait_for_clients_s=0))

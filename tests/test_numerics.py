@@ -59,10 +59,10 @@ def test_portable_numerics_pin_the_kernels_of_a_fresh_process_to_avx2_compatible
     code = (
         "import json, torch\n"
         "from fedcluster_flwr.config.load import load_config, parse_override\n"
-        "from fedcluster_flwr.experiment import make_client\n"
+        "from fedcluster_flwr.experiment import Experiment\n"
         "from fedcluster_flwr.numerics import numeric_platform\n"
         f"config, _ = load_config({str(DEFAULT_CONFIG)!r}, [parse_override('simulation.portable_numerics=true')])\n"
-        "make_client(config, 0, config.partition.num_clients)\n"
+        "Experiment(config).client(0, config.partition.num_clients)\n"
         "print(json.dumps(numeric_platform() | {'threads': torch.get_num_threads()}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in PORTABLE_NUMERICS}

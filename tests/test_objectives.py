@@ -238,10 +238,10 @@ def test_two_trainings_in_one_handler_each_take_their_own_stream_and_settings_on
     ``epochs`` are its own; the batched engine stacks each of the round's trainings as the in-process
     engine runs them one by one."""
     from fedcluster_flwr.engines.batched import BatchedCompute, BatchPolicy, Rendezvous, execute
-    from fedcluster_flwr.experiment import initial_weights, make_client
+    from fedcluster_flwr.experiment import Experiment
 
     settings, _ = load_config(DEFAULT_CONFIG, [parse_override(o) for o in ("partition.num_clients=4", "partition.num_groups=2")])
-    weights = initial_weights(settings)
+    weights = Experiment(settings).weights()
 
     def two_trainings(client):
         first, second, third = (client.load_model(weights) for _ in range(3))
@@ -250,13 +250,13 @@ def test_two_trainings_in_one_handler_each_take_their_own_stream_and_settings_on
         client.train_model(third, 3, epochs=1, lr=0.5)
         return [np.concatenate([p.detach().numpy().ravel() for p in m.parameters()]) for m in (first, second, third)]
 
-    alone = [two_trainings(make_client(settings, pid, 4)) for pid in range(4)]
+    alone = [two_trainings(Experiment(settings).client(pid, 4)) for pid in range(4)]
     for first, second, third in alone:
         assert not np.array_equal(first, second)  # another batch order
         assert not np.allclose(first, third, atol=1e-3)  # other epochs and learning rate
     policy = BatchPolicy(stack_on_cpu=True, memory_bytes=2**30)
     rendezvous = Rendezvous(lambda batch: execute(batch, policy))
-    clients = [make_client(settings, pid, 4) for pid in range(4)]
+    clients = [Experiment(settings).client(pid, 4) for pid in range(4)]
     for pid, client in enumerate(clients):
         client.compute = BatchedCompute(rendezvous, pid)
     together = [value for ok, value in rendezvous.run_all([lambda c=c: two_trainings(c) for c in clients])]

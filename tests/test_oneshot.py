@@ -16,7 +16,7 @@ from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.experiment import make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.features import feature_map, gram_matrix, top_eigenpairs
 from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.aggregation import average_layers
@@ -141,7 +141,7 @@ def test_eq_3_unguarded_past_the_gram_matrixs_rank_compares_no_variance_with_no_
 
 
 def test_gram_eigen_returns_the_top_eigenpairs_in_descending_order(label_group_config):
-    client = make_client(label_group_config, 0, 20)
+    client = Experiment(label_group_config).client(0, 20)
     output = top_gram_eigenpairs(client, TaskInput(1, {}, SHARING | {NUM_EIGENVECTORS_KEY: 5}))
     (vectors,), (values,) = output.blocks[EIGENVECTORS], output.blocks[EIGENVALUES]
     assert vectors.shape == (5, 64) and values.shape == (5,) and vectors.dtype == np.float32
@@ -157,7 +157,7 @@ def test_gram_eigen_returns_the_top_eigenpairs_in_descending_order(label_group_c
 
 @pytest.mark.parametrize("config", [FEATURE_CONFIG, SHARING], ids=["paper", "amiri"])
 def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_config, config):
-    clients = [make_client(label_group_config, pid, 20) for pid in range(20)]
+    clients = [Experiment(label_group_config).client(pid, 20) for pid in range(20)]
     summaries = []
     for client in clients:
         blocks = top_gram_eigenpairs(client, TaskInput(1, {}, config | {NUM_EIGENVECTORS_KEY: 5})).blocks
@@ -168,9 +168,7 @@ def test_relevance_rows_of_real_clients_separate_the_two_tasks(label_group_confi
     ])
     assert np.diag(rows) == pytest.approx(1.0, abs=1e-4)
     relevance = relevance_matrix(rows)
-    from fedcluster_flwr.experiment import experiment_data
-
-    true = experiment_data(label_group_config)[1].true_clusters
+    true = Experiment(label_group_config).data()[1].true_clusters
     within, across = within_and_across(relevance, true)
     assert within > across + 0.1
     labels = cluster_by_relevance(relevance, "average", num_clusters=2).labels
@@ -182,7 +180,7 @@ def test_the_relevance_task_takes_eq_3s_eigenvalue_from_the_rule_the_instruction
     eigenvectors); Amiri et al.'s form with client j's, which j then shares. A relevance task that
     took j's values under the paper's rule, or left them out under Amiri's, gives another row: each
     rule's row is relevance_row under that rule, and the two differ on real clients of two tasks."""
-    clients = [make_client(label_group_config, pid, 20) for pid in (0, 1, 19)]  # 0 and 1 share a task, 19 not
+    clients = [Experiment(label_group_config).client(pid, 20) for pid in (0, 1, 19)]  # 0 and 1 share a task, 19 not
     blocks = [top_gram_eigenpairs(c, TaskInput(1, {}, SHARING | {NUM_EIGENVECTORS_KEY: 5})).blocks for c in clients]
     vectors, values = [b[EIGENVECTORS][0] for b in blocks], [b[EIGENVALUES][0] for b in blocks]
     gram, floor = client_gram(clients[0], FEATURE_CONFIG).numpy(), FEATURE_CONFIG[EIGEN_FLOOR_KEY]
@@ -200,7 +198,7 @@ def test_the_relevance_task_takes_its_eigen_floor_from_the_instruction(label_gro
     """Digits' 64 pixels include a few that are (nearly) constant, so at k = 40 eigenvectors some
     compared eigenvalues are tiny: the guard's ε decides those ratios. The client's row is
     relevance_row at the floor the instruction carries, and a larger floor raises a score."""
-    clients = [make_client(label_group_config, pid, 20) for pid in (0, 19)]  # one client per task
+    clients = [Experiment(label_group_config).client(pid, 20) for pid in (0, 19)]  # one client per task
     summaries = [top_gram_eigenpairs(c, TaskInput(1, {}, FEATURE_CONFIG | {NUM_EIGENVECTORS_KEY: 40})).blocks[EIGENVECTORS]
                  for c in clients]
     gram = client_gram(clients[0], FEATURE_CONFIG).numpy()

@@ -14,7 +14,7 @@ from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import cluster_square
 from fedcluster_flwr.algorithms.pacfl.math import closest_cluster, principal_angles, proximity_matrix, subspace_proximity
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.experiment import make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.features import feature_map
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.declarations.schema import ConfigError
@@ -131,7 +131,7 @@ def label_group_config():
 def test_gram_eigen_vectors_span_the_top_left_singular_subspace_of_the_data_matrix(label_group_config):
     """PACFL's U_p (top-p left singular vectors of D = Φ(X)ᵀ, features × samples) is what gram_eigen
     returns: the top eigenvectors of (1/n) D Dᵀ."""
-    client = make_client(label_group_config, 3, 20)
+    client = Experiment(label_group_config).client(3, 20)
     config = {FEATURES_KEY: "identity", FEATURE_DIM_KEY: 64, FEATURE_SEED_KEY: 0, PRETRAINED_WEIGHTS_KEY: "",
               SHARE_EIGENVALUES_KEY: False, NUM_EIGENVECTORS_KEY: 3}
     blocks = top_gram_eigenpairs(client, TaskInput(1, {}, config)).blocks

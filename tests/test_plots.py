@@ -137,7 +137,9 @@ def test_the_gossip_legend_says_that_pretraining_ends_and_the_gossip_begins(draw
     """DAC's round 2 was "round 2: dac": a strategy's name, not what changed."""
     rows = [{"round": r, "phase": "pretrain" if r == 1 else "dac", "mean_client_accuracy": 0.3 + 0.05 * r,
              "pct_clients_over_target": 0.0} for r in range(1, 5)]
-    plot_rounds(rows, tmp_path, 0.9, "dac on fmnist", phase_words=strategy_phase_words())
+    from fedcluster_flwr.algorithms.dac.strategy import DAC
+
+    plot_rounds(rows, tmp_path, 0.9, "dac on fmnist", phase_words=strategy_phase_words([DAC]))
     labels = [t.get_text() for t in drawn["accuracy.png"].axes[0].get_legend().get_texts()]
     assert "round 2: local pretraining → dac gossip exchanges" in labels
     assert phase_words("ifca") == "ifca rounds" and phase_words("no_such_phase") == "no_such_phase rounds"
@@ -145,13 +147,13 @@ def test_the_gossip_legend_says_that_pretraining_ends_and_the_gossip_begins(draw
 
 
 def test_a_run_words_the_gossip_strategies_phases_as_gossip_exchanges():
-    """The words a run's recorder gets (experiment.server_components): every gossip strategy's
-    exchange rounds, and only theirs, and each family's own phases as the family words them; the
-    plots know no strategy."""
+    """The words a run's recorder gets from its strategy class (Experiment.strategy), here of every
+    registered class at once: every gossip strategy's exchange rounds, and only theirs, and each
+    family's own phases as the family words them; the plots know no strategy."""
     from fedcluster_flwr.algorithms.dac.strategy import Gossip
     from fedcluster_flwr.registry import strategies
 
-    words = strategy_phase_words()
+    words = strategy_phase_words(strategies().values())
     assert words["dac"] == "dac gossip exchanges" and words["random_gossip"] == "random_gossip gossip exchanges"
     named_after_a_strategy = {phase for phase in words if phase in strategies()}
     assert named_after_a_strategy == {name for name, cls in strategies().items() if issubclass(cls, Gossip)}

@@ -13,7 +13,7 @@ from conftest import DEFAULT_CONFIG
 from helpers import finished_looking_run
 from fedcluster_flwr import runner
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.experiment import make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.declarations.schema import ConfigError
 
 
@@ -136,7 +136,7 @@ def test_the_driver_and_every_client_refuse_a_torch_setting_alike(tmp_path, monk
         if process == "driver":
             runner.preflight(config, tmp_path / "run")
         else:
-            make_client(config, 0, config.partition.num_clients)
+            Experiment(config).client(0, config.partition.num_clients)
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # refused before any process-wide switch is set
     with pytest.raises(ConfigError, match=r"^simulation\.deterministic: deterministic CUDA kernels need "
@@ -155,7 +155,7 @@ def test_a_driver_joining_a_ray_cluster_leaves_the_gpu_check_to_the_clients(tmp_
     cluster = config("client.device=cuda", "simulation.ray_address=127.0.0.1:6379")
     runner.preflight(cluster, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"^client\.device: is 'cuda' but this machine has no CUDA GPU"):
-        make_client(cluster, 0, cluster.partition.num_clients)
+        Experiment(cluster).client(0, cluster.partition.num_clients)
 
 
 def test_a_run_whose_models_collapsed_says_so(tmp_path):

@@ -46,7 +46,7 @@ import torch
 
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.experiment import experiment_data, model_factory
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.registry import strategy_class
 from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.training import evaluate, set_weights
@@ -93,14 +93,14 @@ class ReferenceProtocol:
     best and its current model tested on its cluster's rotated official test images."""
 
     def __init__(self, config, args: argparse.Namespace, record: Path) -> None:
-        pool, partition = experiment_data(config)
+        pool, partition = Experiment(config).data()
         held = np.concatenate([*partition.train_indices, *partition.val_indices, *partition.test_indices])
         free = np.setdiff1d(np.arange(OFFICIAL_TEST_START, len(pool.labels)), held)[: args.final_test]
         self.true = partition.true_clusters
         first_of_cluster = {int(c): int(np.flatnonzero(self.true == c)[0]) for c in np.unique(self.true)}
         self.test = {c: pool.tensors(free, partition.transforms[pid]) for c, pid in first_of_cluster.items()}
         self.round_test = args.round_test
-        self.build = model_factory(config)
+        self.build = Experiment(config).model_factory
         self.best_val: dict[int, float] = {}
         self.best_model: dict[int, list[np.ndarray]] = {}
         self.record = record

@@ -24,7 +24,7 @@ import torch
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, within_and_across
 from fedcluster_flwr.config.load import load_config
-from fedcluster_flwr.experiment import experiment_data, make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.algorithms.oneshot.strategy import feature_config
 from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGEN_FLOOR_KEY, EIGENVALUES, EIGENVECTORS, NUM_EIGENVECTORS_KEY, RELEVANCE, relevance_to_every_client,
@@ -40,7 +40,7 @@ def relevance_for(seed: int, k: int, floors: list[float]) -> tuple[dict[float, n
     """R per floor for ``seed`` at ``k`` eigenvectors, and the true tasks."""
     config, _ = load_config(CONF, [("seed", seed), ("strategy.num_eigenvectors", k)])
     n = config.partition.num_clients
-    clients = [make_client(config, pid, n) for pid in range(n)]
+    clients = [Experiment(config).client(pid, n) for pid in range(n)]
     base = feature_config(config.strategy.options, 784, seed, share_eigenvalues=False)
     summaries = []
     for client in clients:
@@ -52,7 +52,7 @@ def relevance_for(seed: int, k: int, floors: list[float]) -> tuple[dict[float, n
         rows = np.stack([relevance_to_every_client(c, TaskInput(2, {EIGENVECTORS: summaries}, config_r)).blocks[RELEVANCE][0]
                          for c in clients])
         out[floor] = relevance_matrix(rows)
-    return out, experiment_data(config)[1].true_clusters
+    return out, Experiment(config).data()[1].true_clusters
 
 
 def verify(seed: int, k: int, floor: float, expected: np.ndarray) -> float:

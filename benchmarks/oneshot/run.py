@@ -38,7 +38,7 @@ from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.clustering import cluster_scores
 from fedcluster_flwr.algorithms.oneshot.math import RELEVANCE_RULES, cluster_by_relevance, relevance_matrix, within_and_across
 from fedcluster_flwr.config.load import load_config
-from fedcluster_flwr.experiment import experiment_data, make_client
+from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.run_files import read_rounds
 from fedcluster_flwr.algorithms.oneshot.strategy import feature_config
 from fedcluster_flwr.algorithms.oneshot.tasks import (
@@ -70,8 +70,8 @@ def clustering_vs_k(seed: int, ks: tuple[int, ...]) -> dict[str, dict[int, dict[
     under ``RANDOM``, the scores of a random clustering into as many clusters."""
     config, _ = load_config(CONF, [("seed", seed)])
     options = config.strategy.options
-    true = experiment_data(config)[1].true_clusters
-    clients = [make_client(config, pid, config.partition.num_clients) for pid in range(config.partition.num_clients)]
+    true = Experiment(config).data()[1].true_clusters
+    clients = [Experiment(config).client(pid, config.partition.num_clients) for pid in range(config.partition.num_clients)]
     top = feature_config(options, 784, seed, share_eigenvalues=True) | {NUM_EIGENVECTORS_KEY: max(ks)}
     summaries = []
     for client in clients:

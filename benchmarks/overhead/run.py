@@ -91,15 +91,15 @@ def bound_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(args.threads)
-    from fedcluster_flwr.experiment import client_data, initial_weights, model_factory
+    from fedcluster_flwr.experiment import Experiment
 
     config = bench_config(args.set)
     settings = config.client
     clients = [int(p) for p in args.clients.split(",") if p]
     eval_clients = [int(p) for p in args.eval_clients.split(",") if p]
-    data = {pid: client_data(config, pid) for pid in sorted(set(clients) | set(eval_clients))}
-    build = model_factory(config)
-    global_state = dict(zip(build().state_dict(), (torch.from_numpy(a) for a in initial_weights(config))))
+    data = {pid: Experiment(config).client_data(pid) for pid in sorted(set(clients) | set(eval_clients))}
+    build = Experiment(config).model_factory
+    global_state = dict(zip(build().state_dict(), (torch.from_numpy(a) for a in Experiment(config).weights())))
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -169,7 +169,7 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from fedcluster_flwr import run_process
     from fedcluster_flwr.apps import server_app
-    from fedcluster_flwr.experiment import initial_model
+    from fedcluster_flwr.experiment import Experiment
 
     config = bench_config(args.set, args.rounds)
     stamps: list[tuple[int, float, float]] = []
@@ -200,7 +200,7 @@ def flower_fedavg_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     @app.main()
     def main(grid, context):
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_model(config).state_dict()), num_rounds=args.rounds)
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(Experiment(config).model().state_dict()), num_rounds=args.rounds)
 
     server_app.ExperimentServerApp = lambda *a, **k: app  # what run_process.simulate serves
     launched = time.time()
@@ -439,11 +439,11 @@ def estimate_minutes(args: argparse.Namespace, config) -> float:
     """Expected wall time from a few timed SGD steps in this process (one thread)."""
     import torch
 
-    from fedcluster_flwr.experiment import client_data, model_factory
+    from fedcluster_flwr.experiment import Experiment
 
     torch.set_num_threads(1)
-    data = client_data(config, 0)
-    model = model_factory(config)()
+    data = Experiment(config).client_data(0)
+    model = Experiment(config).model_factory()
     optimizer = torch.optim.SGD(model.parameters(), lr=config.client.lr)
     batch = config.client.batch_size
     for warm in (True, False):

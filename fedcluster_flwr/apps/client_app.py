@@ -34,29 +34,27 @@ from flwr.clientapp import ClientApp
 
 from .. import protocol, registry
 from ..client import ClientState, ClusterClient
-from ..config.sections import ExperimentConfig
 from ..data.device import DeviceClient, FolderSource, load_device_data, node_data_source
 from ..data.sources import input_format
-from ..experiment import make_client
+from ..experiment import Experiment
 from ..numerics import configure_torch
 from ..protocol import EVALUATE, IDENTIFY, TRAIN, Task
 from ..training import LocalCompute
-from .run_config import config_from_run_config
+from .run_config import experiment_from_run_config
 
 
-def make_device_client(config: ExperimentConfig, source: FolderSource) -> DeviceClient:
+def make_device_client(experiment: Experiment, source: FolderSource) -> DeviceClient:
     """The client of a SuperNode started with ``data-dir``: client ``source.client_id`` of the
     experiment, on the folder's data."""
+    config = experiment.config
     configure_torch(config)  # before the device's data become tensors (portable numerics' pins)
     data = load_device_data(source.data_dir, input_format(config))
-    return make_client(
-        config, source.client_id, config.partition.num_clients, data=data,
-        client_class=functools.partial(DeviceClient, cluster_id=source.cluster_id),
-    )
+    return experiment.client(source.client_id, data=data,
+                             client_class=functools.partial(DeviceClient, cluster_id=source.cluster_id))
 
 
 class FedclusterClientApp(ClientApp):
-    """The ClientApp of one given config (``fedcluster run``; None: the run config's, ``flwr run``).
+    """The ClientApp of one given experiment (``fedcluster run``; None: the run config's, ``flwr run``).
 
     ``keep_clients``: build each partition's client once and keep it (the in-process engines, where
     one process plays every node); otherwise a client is built per message, as Flower builds one
@@ -64,20 +62,20 @@ class FedclusterClientApp(ClientApp):
     (the batched engine's, which meets the round's other clients).
 
     Flower's Ray engine pickles the ClientApp into every message it hands an actor; this one is
-    pickled as its config and built again from it (a ClientApp made of closures is pickled by
+    pickled as its experiment and built again from it (a ClientApp made of closures is pickled by
     value, and cloudpickle searches the loaded modules for each function's submodules: ~2.3 ms of
     the engine process's GIL per message, benchmarks/overhead).
     """
 
     def __init__(
         self,
-        config: ExperimentConfig | None = None,
+        experiment: Experiment | None = None,
         *,
         keep_clients: bool = False,
         compute: Callable[[int], LocalCompute] | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
+        self._experiment = experiment
         self.keep_clients = keep_clients
         self.compute = compute
         self._clients: dict[int, ClusterClient] = {}
@@ -89,11 +87,12 @@ class FedclusterClientApp(ClientApp):
             handler = self.identify if task is IDENTIFY else functools.partial(self.handle, task)
             register[task.kind](task.action)(handler)
 
-    def __reduce__(self) -> tuple[type[FedclusterClientApp], tuple[ExperimentConfig | None]]:
-        return FedclusterClientApp, (self.config,)
+    def __reduce__(self) -> tuple[type[FedclusterClientApp], tuple[Experiment | None]]:
+        return FedclusterClientApp, (self._experiment,)
 
-    def experiment(self, context: Context) -> ExperimentConfig:
-        return self.config if self.config is not None else config_from_run_config(context.run_config)
+    def experiment(self, context: Context) -> Experiment:
+        """The experiment given, or the run config's (``flwr run``: one per run config in a process)."""
+        return self._experiment if self._experiment is not None else experiment_from_run_config(context.run_config)
 
     def client(self, context: Context) -> ClusterClient:
         """The client of this node's data (see the module docstring)."""
@@ -106,7 +105,7 @@ class FedclusterClientApp(ClientApp):
         if isinstance(source, FolderSource):
             client: ClusterClient = make_device_client(experiment, source)
         else:
-            client = make_client(experiment, source.pid, source.num_partitions)
+            client = experiment.client(source.pid, source.num_partitions)
         if self.compute is not None:
             client.compute = self.compute(pid)
         if self.keep_clients:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..config.load import load_config, parse_override
 from ..config.sections import ExperimentConfig
+from ..experiment import Experiment
 from ..declarations.schema import ConfigError
 
 APP_ROOT = Path(__file__).resolve().parents[2]  # the project root (or the installed FAB): above fedcluster_flwr/apps/
@@ -57,6 +58,17 @@ def _config_from_items(items: tuple[tuple[str, Any], ...]) -> tuple[ExperimentCo
 def config_from_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
     """The experiment config of a ``flwr run`` (cached: the ClientApp reads it with every message)."""
     return _config_from_items(tuple(sorted(run_config.items())))[0]
+
+
+@functools.lru_cache(maxsize=8)
+def _experiment_from_items(items: tuple[tuple[str, Any], ...]) -> Experiment:
+    return Experiment(_config_from_items(items)[0])
+
+
+def experiment_from_run_config(run_config: Mapping[str, Any]) -> Experiment:
+    """The experiment of a ``flwr run``, one per run config in a process (the ClientApp asks with
+    every message)."""
+    return _experiment_from_items(tuple(sorted(run_config.items())))
 
 
 def run_config_notes(run_config: Mapping[str, Any]) -> tuple[str, ...]:

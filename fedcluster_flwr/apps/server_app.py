@@ -42,28 +42,23 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
 from ..algorithms.base import ClusteredStrategy, StrategySetup
-from ..algorithms.base.directory import Federation
 from .. import flower_patches
 from ..checkpoints import load_checkpoint
 from ..client import kept_state, restore_kept_state
-from ..config.load import ConfigWarning, config_to_dict
+from ..config.load import ConfigWarning
 from ..declarations.roles import NO_EFFECT_UNDER_FLWR_RUN, declared, default_of
 from ..config.sections import ExperimentConfig
-from ..data import DataError, cluster_names
+from ..data import DataError
 from ..engines.batched import BatchedCompute
 from ..engines.inprocess import BatchedGrid, InProcessGrid, batched_rendezvous, partition_node_configs
-from ..experiment import experiment_data, initial_model, majority_accuracy, seeded_weights
-from ..models import parameter_names
-from ..numerics import configure_driver_torch, numeric_platform, torch_threads, use_configured_numerics
-from ..plots import run_title, strategy_phase_words
-from ..recorder import RunRecorder, run_dir_name
-from ..registry import strategy_class
-from ..round_log import RoundLog, resume as resume_strategy
+from ..experiment import Experiment
+from ..numerics import configure_driver_torch, torch_threads
+from ..recorder import run_dir_name
+from ..round_log import resume as resume_strategy
 from ..run_files import RoundRow, format_summary, read_summary
 from ..declarations.schema import ConfigError, lookup
-from ..training import get_weights
 from .client_app import FedclusterClientApp
-from .run_config import config_from_run_config, run_config_notes
+from .run_config import config_from_run_config, experiment_from_run_config, run_config_notes
 
 # ---- the one route ----------------------------------------------------------------------------------
 
@@ -82,50 +77,24 @@ class RunPlan:
 
 
 def plan_run(
-    config: ExperimentConfig,
+    experiment: Experiment,
     run_dir: Path,
     on_round: Callable[[RoundRow], None] | None = None,
     resume: bool = False,
     stop_after: int | None = None,
     make_strategy: Callable[[StrategySetup], Any] | None = None,
 ) -> RunPlan:
-    """The strategy (from the registry, or ``make_strategy``'s from the experiment's setup) of one
-    run writing to ``run_dir``; with ``resume``, continuing the run there from its checkpoint; with
-    ``stop_after``, stopping (checkpointed) after that round, leaving the run to be resumed or branched."""
-    use_configured_numerics(config)
-    pool, partition = experiment_data(config)
-    resolved = config_to_dict(config)
-    recorder = RunRecorder(run_dir, on_round, resolved, phase_words=strategy_phase_words())
-    if not resume:
-        recorder.start(resolved)
-    model = initial_model(config)
-    setup = StrategySetup(
-        initial_weights=get_weights(model),
-        parameter_names=parameter_names(model),
-        init_weights=functools.partial(seeded_weights, config),
-        input_shape=config.input_shape,
-        num_clients=config.partition.num_clients,
-        true_clusters=partition.true_clusters,
-        train_sizes=[len(idx) for idx in partition.train_indices],
-        rounds=config.rounds,
-        seed=config.seed,
-        cluster_names=cluster_names(config.partition.options, int(partition.true_clusters.max(initial=0)) + 1),
-    )
-    if make_strategy is None:
-        strategy = strategy_class(config.strategy.name)(config.strategy.options, setup)
-    else:
-        strategy = make_strategy(setup)
-    round_log = RoundLog(
-        recorder, partition.true_clusters, config.target_accuracy, config.rounds, config.checkpoint_every,
-        stop_round=stop_after, numeric_platform=numeric_platform(), title=run_title(config),
-        majority_accuracy=majority_accuracy(pool.labels, partition),
-    )
-    strategy.connect(Federation(join_round=config.simulation.join_round, timeout_s=config.simulation.round_timeout_s),
-                     round_log)
+    """The strategy of one run writing to ``run_dir`` (:meth:`Experiment.strategy`: the config's,
+    or ``make_strategy``'s from the experiment's setup); with ``resume``, continuing the run there
+    from its checkpoint; with ``stop_after``, stopping (checkpointed) after that round, leaving the
+    run to be resumed or branched."""
+    config = experiment.config
+    strategy = experiment.strategy(run_dir, on_round=on_round, fresh=not resume, stop_after=stop_after,
+                                   make_strategy=make_strategy)
     client_states: dict[int, Any] | None = {}
     if resume:
         checkpoint = load_checkpoint(run_dir)
-        resume_strategy(strategy, round_log, checkpoint)
+        resume_strategy(strategy, strategy.observer, checkpoint)
         client_states = checkpoint.get("clients")
     remaining = (config.rounds if stop_after is None else stop_after) - strategy.round_offset
     return RunPlan(strategy, remaining, config.simulation.round_timeout_s, client_states)
@@ -167,18 +136,18 @@ def serve(grid: Grid, plan: RunPlan) -> Result:
 
 
 class ExperimentServerApp(ServerApp):
-    """The ServerApp of one already validated config (``fedcluster run``/``resume``): its main plans
-    the run (:func:`plan_run`, with ``plan_options``: ``on_round``, ``resume``, ``stop_after``,
+    """The ServerApp of one experiment (``fedcluster run``/``resume``): its main plans the run
+    (:func:`plan_run`, with ``plan_options``: ``on_round``, ``resume``, ``stop_after``,
     ``make_strategy``) and serves it on the grid it is given (:func:`serve`); ``plan`` is the run it played."""
 
-    def __init__(self, config: ExperimentConfig, run_dir: Path, **plan_options: Any) -> None:
+    def __init__(self, experiment: Experiment, run_dir: Path, **plan_options: Any) -> None:
         super().__init__()
         self.plan: RunPlan | None = None
-        self.main()(functools.partial(self.run, config, run_dir, plan_options))
+        self.main()(functools.partial(self.run, experiment, run_dir, plan_options))
 
-    def run(self, config: ExperimentConfig, run_dir: Path, plan_options: dict[str, Any], grid: Grid,
+    def run(self, experiment: Experiment, run_dir: Path, plan_options: dict[str, Any], grid: Grid,
             context: Context) -> None:
-        self.plan = plan_run(config, run_dir, **plan_options)
+        self.plan = plan_run(experiment, run_dir, **plan_options)
         serve(grid, self.plan)
 
 
@@ -186,18 +155,19 @@ class ExperimentServerApp(ServerApp):
 
 
 @contextmanager
-def engine_grid(config: ExperimentConfig) -> Iterator[InProcessGrid]:
-    """The grid of ``config``'s in-process engine (``inprocess``, or ``batched``: the round's clients
+def engine_grid(experiment: Experiment) -> Iterator[InProcessGrid]:
+    """The grid of the experiment's in-process engine (``inprocess``, or ``batched``: the round's clients
     executed together), over the ClientApp with every client built before the first round, so that
     a client that cannot be built (its data, its device) is an error before anything runs."""
+    config = experiment.config
     nodes = partition_node_configs(config.partition.num_clients)
     if config.simulation.engine == "batched":
         rendezvous = batched_rendezvous(config)
-        app = FedclusterClientApp(config, keep_clients=True, compute=functools.partial(BatchedCompute, rendezvous))
+        app = FedclusterClientApp(experiment, keep_clients=True, compute=functools.partial(BatchedCompute, rendezvous))
         grid: InProcessGrid = BatchedGrid(app, nodes, rendezvous=rendezvous)
     else:
         rendezvous = None
-        app = FedclusterClientApp(config, keep_clients=True)
+        app = FedclusterClientApp(experiment, keep_clients=True)
         grid = InProcessGrid(app, nodes)
     try:
         for context in grid.contexts.values():
@@ -209,7 +179,7 @@ def engine_grid(config: ExperimentConfig) -> Iterator[InProcessGrid]:
 
 
 def run_in_process(
-    config: ExperimentConfig,
+    config: ExperimentConfig | Experiment,
     run_dir: Path,
     make_strategy: Callable[[StrategySetup], Any] | None = None,
     *,
@@ -217,7 +187,7 @@ def run_in_process(
     stop_after: int | None = None,
     on_round: Callable[[RoundRow], None] | None = None,
 ) -> ClusteredStrategy:
-    """Run ``config`` to the end (or to ``stop_after``, checkpointed; ``resume``: from the checkpoint
+    """Run ``config``'s experiment (or the ``Experiment`` given) to the end (or to ``stop_after``, checkpointed; ``resume``: from the checkpoint
     in ``run_dir``) on its engine's grid in this process (``simulation.engine`` ``batched``: the
     round's clients executed together; any other: one after another); return the strategy (its
     models, assignment; its round log is ``observer``). torch runs one thread inside, as in each of
@@ -226,9 +196,10 @@ def run_in_process(
     ``make_strategy`` builds another strategy from the experiment's setup (a strategy that is not in
     the registry, e.g. a test's own); ``on_round`` is called with each round's row as it is recorded
     (as ``fedcluster run``'s progress is)."""
-    app = ExperimentServerApp(config, run_dir, on_round=on_round, resume=resume, stop_after=stop_after,
+    experiment = config if isinstance(config, Experiment) else Experiment(config)
+    app = ExperimentServerApp(experiment, run_dir, on_round=on_round, resume=resume, stop_after=stop_after,
                               make_strategy=make_strategy)
-    with torch_threads(1), engine_grid(config) as grid:
+    with torch_threads(1), engine_grid(experiment) as grid:
         app(grid, Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), {}))
     assert app.plan is not None
     return app.plan.strategy
@@ -355,12 +326,12 @@ def flwr_run_main(grid: Grid, context: Context) -> None:
         config, run_dir = start_flwr_run(context)
         _RUN_DIRS[context.run_id] = run_dir
         if not runs_here(grid, config):
-            serve(grid, plan_run(config, run_dir, on_round=log_round))
+            serve(grid, plan_run(experiment_from_run_config(context.run_config), run_dir, on_round=log_round))
             return
         log(INFO, "fedcluster: simulation.engine %s: the ServerApp runs the %s clients in this process (Flower's "
                   "Ray actors stay idle)", config.simulation.engine, config.partition.num_clients)
         configure_driver_torch(config)
-        run_in_process(config, run_dir, on_round=log_round)
+        run_in_process(experiment_from_run_config(context.run_config), run_dir, on_round=log_round)
 
 
 def flwr_run_lifespan(context: Context) -> Iterator[None]:

@@ -178,12 +178,14 @@ class ForeignOptionError(ConfigError):
 
 
 def build_config(
-    raw: Mapping[str, Any], given: Iterable[tuple[str, Any]] = ()
+    raw: Mapping[str, Any], given: Iterable[tuple[str, Any]] = (), registered: Mapping[str, type] | None = None
 ) -> tuple[ExperimentConfig, list[str]]:
     """Validate a merged raw mapping; return the config and notes on ignored keys. ``given``: the
     overrides in it that were set on the command line, where another strategy's option is an error
     rather than a note (another partitioner's stays a note for now: issue #34 asked it of
-    strategies)."""
+    strategies). ``registered``: the registry's strategies as :func:`load_config` read them (else
+    read here); the class ``strategy.name`` selects travels with the config
+    (``StrategyConfig.strategy_class``), so that nothing after asks the registry again."""
     notes: list[str] = []
     given = list(given)
     part_name, part_common, part_opts = _split_named_section(
@@ -194,11 +196,13 @@ def build_config(
         PartitionConfig, part_common, "partition",
         built={"options": from_mapping(PARTITIONERS[part_name].options, part_opts, "partition")},
     )
+    registered = strategies() if registered is None else registered
     strat_name, _, strat_opts = _split_named_section(
-        raw.get("strategy", {"name": "fedavg"}), "strategy", strategies(),
+        raw.get("strategy", {"name": "fedavg"}), "strategy", registered,
         lambda s: s.Options, {"name"}, notes, keys_set_in("strategy", given),
     )
-    strategy = StrategyConfig(strat_name, from_mapping(strategies()[strat_name].Options, strat_opts, "strategy"))
+    strategy_class = registered[strat_name]
+    strategy = StrategyConfig(strat_name, from_mapping(strategy_class.Options, strat_opts, "strategy"), strategy_class)
     if "model" not in raw:
         raise ConfigError("model.name", f"is required; one of {', '.join(MODELS)}")
     config = from_mapping(ExperimentConfig, raw, built={"partition": partition, "strategy": strategy})
@@ -297,9 +301,10 @@ def load_config(
     overrides may serve several strategies (``fedcluster compare``, which checks them itself; sweeps)."""
     raw = read_yaml(path) if path is not None else {}
     overrides = list(overrides)
-    raw, swap = swap_strategy(raw, overrides)
+    registered = strategies()  # the registry's one reading between the YAML and the strategy's constructor
+    raw, swap = swap_strategy(raw, overrides, registered)
     try:
-        config, notes = build_config(apply_overrides(raw, overrides), overrides if strict else ())
+        config, notes = build_config(apply_overrides(raw, overrides), overrides if strict else (), registered)
     except ConfigError as err:
         given = any(key == err.key for key, _ in overrides)  # the command gave it: no hint to give it
         if swap is None or given or not err.key.startswith("strategy.") or isinstance(err, ForeignOptionError):
@@ -347,7 +352,9 @@ class StrategySwap:
         return f"the YAML's strategy is {self.old}{dropped}: give {self.new}'s in the same command, e.g. --set {key}=..."
 
 
-def swap_strategy(raw: Mapping[str, Any], overrides: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], StrategySwap | None]:
+def swap_strategy(
+    raw: Mapping[str, Any], overrides: Sequence[tuple[str, Any]], registered: Mapping[str, type] | None = None
+) -> tuple[dict[str, Any], StrategySwap | None]:
     """``raw`` without the YAML's strategy options that do not carry over (:func:`carries_over`)
     when ``overrides`` change ``strategy.name``; options the overrides set are applied after this
     and so always kept. Anything malformed is left for :func:`build_config` to report."""
@@ -355,9 +362,10 @@ def swap_strategy(raw: Mapping[str, Any], overrides: Sequence[tuple[str, Any]]) 
     old = section.get("name") if isinstance(section, Mapping) else None
     merged = apply_overrides(raw, overrides)
     new = merged["strategy"].get("name") if isinstance(merged.get("strategy"), Mapping) else None
-    if old == new or not isinstance(old, str) or not isinstance(new, str) or old not in strategies() or new not in strategies():
+    registered = strategies() if registered is None else registered
+    if old == new or not isinstance(old, str) or not isinstance(new, str) or old not in registered or new not in registered:
         return dict(raw), None
-    old_cls, new_cls = strategies()[old], strategies()[new]
+    old_cls, new_cls = registered[old], registered[new]
     key_to_field = {config_key(f): f.name for f in dataclasses.fields(old_cls.Options)}
     kept, dropped = [], []
     for key in section:

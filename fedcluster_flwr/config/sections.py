@@ -17,7 +17,7 @@ from typing import Any, Literal
 from ..data.sources import DATASET_SOURCES, HF, dataset_shape
 from ..models import MODELS, RENAMED as RENAMED_MODELS
 from ..declarations.roles import EXECUTION, FIXED_ON_BRANCH, RUN_CONFIG, no_effect_under_flwr_run
-from ..declarations.options import DeclaredOptions
+from ..declarations.options import DeclaredOptions, derived
 from ..training import TrainSettings
 from ..declarations.schema import (
     REQUIRED,
@@ -106,6 +106,9 @@ class ClientConfig(TrainSettings):
 class StrategyConfig:
     name: str = option(REQUIRED, roles=(FIXED_ON_BRANCH, RUN_CONFIG))
     options: Any  # the strategy's own options dataclass
+    # The class ``name`` selects, from the registry when the config was read: the one lookup
+    # between the YAML and the strategy's constructor (fedcluster_flwr.experiment.Experiment.strategy).
+    strategy_class: type = derived()
 
 
 @dataclass(frozen=True)

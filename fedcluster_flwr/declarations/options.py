@@ -94,10 +94,21 @@ class DeclaredOptions:
         check_declared(self, _BUILT_UNDER.get(), validate=False)
 
 
+DERIVED = "derived"  # field metadata: worked out from the config's keys, not one of them
+
+
+def derived(default: Any = None) -> Any:
+    """A field that is no key of the config but what its keys resolve to (the strategy class that
+    ``strategy.name`` selects, found once when the config is read): never written out
+    (:func:`to_plain`), never compared, carried with the config to every process it goes to."""
+    return dataclasses.field(default=default, compare=False, repr=False, metadata={DERIVED: True})
+
+
 def to_plain(value: Any) -> Any:
-    """Dataclasses and tuples to dicts and lists, for YAML/JSON output."""
+    """Dataclasses and tuples to dicts and lists, for YAML/JSON output (without :func:`derived` fields)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {config_key(f): to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {config_key(f): to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not f.metadata.get(DERIVED)}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     if isinstance(value, Mapping):

@@ -31,7 +31,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from ..config.sections import ExperimentConfig
-from ..experiment import client_device
+from ..numerics import client_device
 from ..protocol import IDENTIFY
 from .batched import CPU_UNSTACKED_MODELS, BatchPolicy, EngineError, Rendezvous, cpu_threads, default_memory_bytes, execute
 

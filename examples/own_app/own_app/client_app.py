@@ -4,6 +4,7 @@ from pathlib import Path
 
 from fedcluster_flwr.apps.client_app import FedclusterClientApp
 from fedcluster_flwr.config.load import load_config
+from fedcluster_flwr.experiment import Experiment
 
 config, _ = load_config(Path(__file__).with_name("experiment.yaml"))
-app = FedclusterClientApp(config)
+app = FedclusterClientApp(Experiment(config))

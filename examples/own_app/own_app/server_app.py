@@ -5,9 +5,8 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedcluster_flwr.apps.server_app import plan_run
 from fedcluster_flwr.config.load import load_config
-from fedcluster_flwr.experiment import initial_model
+from fedcluster_flwr.experiment import Experiment
 
 # Create ServerApp
 app = ServerApp()
@@ -23,14 +22,15 @@ def main(grid: Grid, context: Context) -> None:
     out = Path(str(context.run_config["output-dir"])).expanduser() / f"run{context.run_id}"
 
     # The experiment the ClientApp trains on, with the strategy asked for
-    experiment = Path(__file__).with_name("experiment.yaml")
-    config, _ = load_config(experiment, [("strategy.name", strategy_name), ("rounds", num_rounds)])
+    yaml = Path(__file__).with_name("experiment.yaml")
+    config, _ = load_config(yaml, [("strategy.name", strategy_name), ("rounds", num_rounds)])
+    experiment = Experiment(config)
 
     # Load global model
-    arrays = ArrayRecord(initial_model(config).state_dict())
+    arrays = ArrayRecord(experiment.model().state_dict())
 
     # Initialize the strategy: fedcluster's (here FL+HC), its rounds recorded in `out`
-    strategy = plan_run(config, out).strategy
+    strategy = experiment.strategy(out)
 
     # Start strategy, run for `num_rounds`
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=num_rounds)
