@@ -40,13 +40,13 @@ from typing import Any
 
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # Flower's telemetry off here and in every run started: nothing leaves the machine
 
-from fedcluster_flwr.checkpoints import checkpoint_round
+from fedcluster_flwr.results.checkpoints import checkpoint_round
 from fedcluster_flwr.config.load import (
     apply_overrides, build_config, config_differences, config_to_dict, left_with_engine, load_config, parse_override,
 )
 from fedcluster_flwr.config.sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
-from fedcluster_flwr.run_files import DamagedRunError, read_summary
+from fedcluster_flwr.results.run_files import DamagedRunError, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
 
 # What the repository keeps of a run (branch.json: the run a branch continued, and what it changed).
@@ -184,7 +184,7 @@ def collapsed_clients(copy: Path) -> list[int]:
     if "clients_no_better_than_majority" in summary:
         return summary["clients_no_better_than_majority"]
     from fedcluster_flwr.experiment import Experiment
-    from fedcluster_flwr.round_log import no_better_than_majority
+    from fedcluster_flwr.results.round_log import no_better_than_majority
 
     experiment = Experiment(load_config(copy / "config.yaml", [])[0])
     accuracy = {int(pid): value for pid, value in summary["client_accuracy"].items()}

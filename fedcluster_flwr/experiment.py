@@ -35,9 +35,9 @@ from .data.sources import dataset_pool
 from .models import build_model, parameter_names
 from .numerics import client_device, configure_torch, numeric_platform, use_configured_numerics
 from .plots import run_title, strategy_phase_words
-from .recorder import RunRecorder
-from .round_log import RoundLog
-from .run_files import RoundRow
+from .results.recorder import RunRecorder
+from .results.round_log import RoundLog
+from .results.run_files import RoundRow
 from .training import get_weights
 
 

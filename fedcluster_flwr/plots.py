@@ -1,7 +1,9 @@
 """The plots of a run and of several: accuracy per round with its phase changes, a comparison of
 runs, a clustering's dendrogram, client-by-client heat maps.
 
-Nothing here knows the strategies: what a phase means comes in as data (``phase_words``).
+Nothing here knows the strategies or reads a run folder: what a phase means comes in as data
+(``phase_words``), and so do the rows of the runs drawn (:mod:`fedcluster_flwr.results` reads and
+writes the folders; the strategies draw their own figures with these functions).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .run_files import RoundRow, read_rounds, read_run_config
 
 if TYPE_CHECKING:
     from .config.sections import ExperimentConfig
+
+RoundRow = Mapping[str, Any]  # one line of a run's rounds.jsonl
+RunCurve = tuple[str, Mapping[str, Any], Sequence[RoundRow]]  # a run's name, resolved config and rows
 
 
 PHASE_MARK = {"color": "black", "lw": 0.9, "alpha": 0.7}  # a colour no cluster line takes (_cluster_colours)
@@ -77,19 +81,19 @@ def _cluster_colours(count: int) -> list[Any]:
     return [c for c in palette if len(set(np.round(c, 3))) > 1][:count]
 
 
-def plot_comparison(run_dirs: Sequence[Path], out_path: Path) -> None:
-    """Mean client accuracy of several runs on one chart (``fedcluster compare`` and ``plot``), with
-    each run's target accuracy, titled by what they ran on."""
+def plot_comparison(runs: Sequence[RunCurve], out_path: Path) -> None:
+    """Mean client accuracy of several runs (each: its name, config and rows, as
+    :func:`fedcluster_flwr.results.run_files.run_curves` reads them) on one chart (``fedcluster
+    compare`` and ``plot``), with each run's target accuracy, titled by what they ran on."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(Path(d), read_run_config(d), read_rounds(d)) for d in run_dirs]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     all_rounds: list[int] = []
-    for run_dir, config, rows in runs:
-        strategy, name = config["strategy"].get("name", "?"), run_dir.name
+    for name, config, rows in runs:
+        strategy = config["strategy"].get("name", "?")
         label = strategy if name == strategy else f"{strategy} ({name})"
         all_rounds += [r["round"] for r in rows]
         ax.plot([r["round"] for r in rows], [_nan(r.get("mean_client_accuracy")) for r in rows], lw=1.8, label=label)

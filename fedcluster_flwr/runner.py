@@ -42,17 +42,17 @@ from typing import Any, Protocol
 
 import yaml
 
-from .checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
+from .results.checkpoints import check_resumable, check_strategy_names, checkpoint_array_shape, checkpoint_round
 from .config.load import config_differences, config_to_dict, left_with_engine, load_config, parse_override, tree_at
 from .declarations.roles import EXECUTION, FIXED_ON_BRANCH, keys_with
 from .config.sections import ExperimentConfig
 from .run_process import OUTPUT, USER, Job, check_ray_address, encode_job
-from .files import atomic_write, unwritable
-from .recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
-from .run_files import DamagedRunError, RoundRow, read_rounds, read_summary, run_folder_entries
-from .run_outcome import stop_message, what_was_kept
+from .results.files import atomic_write, unwritable
+from .results.recorder import RunFolderTaken, branch_run, check_run_dir_free, claim_run_dir, holding, release_unused_claim
+from .results.run_files import DamagedRunError, RoundRow, read_rounds, read_summary, run_folder_entries
+from .results.run_outcome import stop_message, what_was_kept
 from .declarations.schema import ConfigError, require
-from .tracking import check_tracking
+from .results.tracking import check_tracking
 
 
 class RunFailed(RuntimeError):
@@ -402,7 +402,7 @@ def continue_run(
 def check_checkpoint_fits(config: ExperimentConfig, state: dict[str, Any], run_dir: Path) -> None:
     """The run's ``config.yaml`` must still describe the run that wrote its checkpoint: the same
     strategy (which of config.yaml, state.json and summary.json was edited is named:
-    :func:`~fedcluster_flwr.checkpoints.check_strategy_names`) and number of clients (an edited
+    :func:`~fedcluster_flwr.results.checkpoints.check_strategy_names`) and number of clients (an edited
     file would fail inside the simulation)."""
     from .registry import strategies
 

@@ -22,8 +22,8 @@ from fedcluster_flwr.config.load import config_to_dict, load_config
 from fedcluster_flwr.protocol import ACCURACY, EVALUATE, IDENTIFY, METRICS, MODEL, MODELS, NUM_EXAMPLES, TEST_LOSS, Task
 from fedcluster_flwr.algorithms.base.directory import Federation
 from fedcluster_flwr.engines.inprocess import InProcessGrid
-from fedcluster_flwr.recorder import RunRecorder
-from fedcluster_flwr.round_log import RoundLog
+from fedcluster_flwr.results.recorder import RunRecorder
+from fedcluster_flwr.results.round_log import RoundLog
 from fedcluster_flwr.algorithms.base import StrategySetup
 from fedcluster_flwr.algorithms.base.strategy import ClusteredStrategy
 from fedcluster_flwr.algorithms.base.messages import Instruction

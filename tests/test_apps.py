@@ -30,7 +30,7 @@ from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.data.device import NodeConfigError
 from fedcluster_flwr.engines.inprocess import InProcessGrid, partition_node_configs
 from fedcluster_flwr.experiment import Experiment
-from fedcluster_flwr.run_files import format_summary, read_summary
+from fedcluster_flwr.results.run_files import format_summary, read_summary
 
 
 def context(run_config=None, node_config=None) -> Context:

@@ -132,7 +132,7 @@ def write(relative: str, text: str) -> Callable[[Path], None]:
 def checkpoint_of_another_run(tmp: Path) -> None:
     """This run's checkpoint replaced by another run's (10 clients, other rows), each checkpoint
     carrying the digest of its round's row as a run writes it."""
-    from fedcluster_flwr.checkpoints import ROW_DIGEST, row_digest
+    from fedcluster_flwr.results.checkpoints import ROW_DIGEST, row_digest
 
     run, other = a_run(tmp), a_run(tmp / "other", clients=10)
     for folder, seconds in ((run, 1.5), (other, 2.5)):
@@ -346,7 +346,7 @@ def run_case(case: Case, tmp: Path) -> tuple[int, str]:
     """Run ``case`` in scratch folder ``tmp`` from the project root; return its exit code (the CLI's,
     or 2 where the app refuses the input) and what it printed to stderr. A case that reaches the
     simulation fails: its mistake was not found before Ray started."""
-    from fedcluster_flwr import cli
+    from fedcluster_flwr.cli import console
     from fedcluster_flwr.data import DataError
     from fedcluster_flwr.declarations.schema import ConfigError
 
@@ -365,7 +365,7 @@ def run_case(case: Case, tmp: Path) -> tuple[int, str]:
                 code = _run_app(case, tmp, stderr, (ConfigError, DataError, ValueError))
             else:
                 with contextlib.redirect_stdout(io.StringIO()):
-                    code = cli.main([_fill(a, tmp) for a in case.argv] + (["--no-progress"] if case.argv[0] != "plot" else []))
+                    code = console.main([_fill(a, tmp) for a in case.argv] + (["--no-progress"] if case.argv[0] != "plot" else []))
     finally:
         os.chdir(cwd)
     return code, stderr.getvalue()

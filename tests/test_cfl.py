@@ -18,7 +18,7 @@ from helpers import DIM, Received, assert_same_state, synthetic_grid, synthetic_
 from fedcluster_flwr.algorithms.cfl.math import bipartition
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.run_files import format_summary
+from fedcluster_flwr.results.run_files import format_summary
 from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.algorithms.cfl.math import cosine_similarity
 from fedcluster_flwr.algorithms.cfl.strategy import CFL, CFLOptions

@@ -19,7 +19,7 @@ from trajectories import CASE_STRATEGY, SETTINGS, STRATEGY_OVERRIDES
 from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.checkpoints import load_checkpoint
+from fedcluster_flwr.results.checkpoints import load_checkpoint
 
 STOP_AFTER = {
     "oneshot_hfl": 1,  # inside the one-shot phase: eigen-summaries in, relevance rows not yet
@@ -67,8 +67,8 @@ def test_result_files_get_the_mode_the_umask_gives_not_mkstemps_0600(tmp_path, u
     import os
     import stat
 
-    from fedcluster_flwr.files import atomic_write
-    from fedcluster_flwr.recorder import RunRecorder
+    from fedcluster_flwr.results.files import atomic_write
+    from fedcluster_flwr.results.recorder import RunRecorder
 
     previous = os.umask(umask)
     try:
@@ -88,7 +88,7 @@ def test_result_files_get_the_mode_the_umask_gives_not_mkstemps_0600(tmp_path, u
 
 
 def test_a_write_that_fails_leaves_the_former_file_and_no_temporary_file(tmp_path):
-    from fedcluster_flwr.files import atomic_write, written_aside
+    from fedcluster_flwr.results.files import atomic_write, written_aside
 
     target = tmp_path / "rounds.jsonl"
     atomic_write(target, "former\n")

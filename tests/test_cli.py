@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr import cli, commands, runner
+from fedcluster_flwr import runner
+from fedcluster_flwr.cli import commands, console
 from fedcluster_flwr.config.load import config_to_dict
 from helpers import finished_looking_run
 
@@ -32,7 +33,7 @@ def test_compare_runs_every_strategy_on_the_same_partition(tmp_path, monkeypatch
                 "per_cluster_accuracy": {}, "target_accuracy": 0.9, "nmi": 1.0}
 
     monkeypatch.setattr(runner, "run_experiment", fake_run)
-    code = cli.main(["compare", str(DEFAULT_CONFIG), "--strategies", "fedavg,oracle,flhc", "--out", str(tmp_path)])
+    code = console.main(["compare", str(DEFAULT_CONFIG), "--strategies", "fedavg,oracle,flhc", "--out", str(tmp_path)])
     assert code == 0
     assert [c.strategy.name for c in seen] == ["fedavg", "oracle", "flhc"]
     assert len({(c.dataset, c.partition, c.model, c.client, c.seed) for c in seen}) == 1  # same experiment
@@ -46,7 +47,7 @@ def test_a_branch_copies_the_checkpoint_and_records_where_it_came_from(tmp_path,
     monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: calls.append((config, run_dir, kw)) or {})
     monkeypatch.setattr(commands, "format_summary", lambda summary, run_dir: "")
     base = finished_looking_run(tmp_path / "base")
-    code = cli.main(["resume", str(base), "--out", str(tmp_path / "branch"), "--set", "strategy.threshold=7.5",
+    code = console.main(["resume", str(base), "--out", str(tmp_path / "branch"), "--set", "strategy.threshold=7.5",
                      "--set", "strategy.linkage=average", "--rounds", "12"])
     assert code == 0
     (config, run_dir, kwargs), = calls
@@ -81,13 +82,13 @@ def test_a_branch_that_cannot_continue_the_checkpoint_is_refused(tmp_path, monke
     monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base")
     args = [a.replace("NEW", str(tmp_path / "new")).replace("BASE", str(base)) for a in extra]
-    assert cli.main(["resume", str(base), *args]) == 2
+    assert console.main(["resume", str(base), *args]) == 2
     assert phrase in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
 
 
 def test_stop_after_must_fall_before_the_last_round(tmp_path, capsys):
-    assert cli.main(["run", str(DEFAULT_CONFIG), "--stop-after", "30", "--out", str(tmp_path / "x")]) == 2
+    assert console.main(["run", str(DEFAULT_CONFIG), "--stop-after", "30", "--out", str(tmp_path / "x")]) == 2
     assert "--stop-after: must lie after round 0 and before the last round (30), got 30" in capsys.readouterr().err
 
 
@@ -97,25 +98,25 @@ def test_a_branch_cannot_change_what_the_run_already_acted_on(tmp_path, monkeypa
     base = finished_looking_run(tmp_path / "base", done=8)
     (base / "checkpoint" / "state.json").write_text(json.dumps({"format": 2, "round": 8, "strategy": {"clustering": {"round": 6}}, "log": {}}))
     np.savez(base / "checkpoint" / "models.npz", round=np.asarray(8))
-    assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.threshold=5"]) == 2
+    assert console.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.threshold=5"]) == 2
     assert "strategy.threshold: the run already acted on it by round 8" in capsys.readouterr().err
     monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: {})
     monkeypatch.setattr(commands, "format_summary", lambda summary, run_dir: "")
-    assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.client_fraction=0.5"]) == 0
+    assert console.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "strategy.client_fraction=0.5"]) == 0
 
 
 def test_a_bad_cublas_setting_is_reported_before_the_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
-    assert cli.main(["run", str(DEFAULT_CONFIG), "--set", "simulation.deterministic=true", "--out", str(tmp_path / "x")]) == 2
+    assert console.main(["run", str(DEFAULT_CONFIG), "--set", "simulation.deterministic=true", "--out", str(tmp_path / "x")]) == 2
     assert "simulation.deterministic: deterministic CUDA kernels need CUBLAS_WORKSPACE_CONFIG" in capsys.readouterr().err
 
 
 def test_resuming_a_finished_run_asks_for_more_rounds(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(runner, "run_experiment", lambda *a, **kw: pytest.fail("must not run"))
     base = finished_looking_run(tmp_path / "base", done=30)
-    assert cli.main(["resume", str(base)]) == 2
+    assert console.main(["resume", str(base)]) == 2
     assert "--rounds: the checkpoint is at round 30 of 30; pass --rounds N > 30" in capsys.readouterr().err
-    assert cli.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "rounds=30"]) == 2
+    assert console.main(["resume", str(base), "--out", str(tmp_path / "new"), "--set", "rounds=30"]) == 2
     assert "error: rounds: the checkpoint is at round 30 of 30" in capsys.readouterr().err
 
 
@@ -123,7 +124,7 @@ def test_fewer_clients_than_groups_runs_with_a_warning_line(tmp_path, monkeypatc
     ran = []
     monkeypatch.setattr(runner, "run_experiment", lambda config, run_dir, **kw: ran.append(config) or {})
     monkeypatch.setattr(commands, "format_summary", lambda summary, run_dir: "")
-    assert cli.main(["run", str(DEFAULT_CONFIG), "--set", "partition.num_clients=3", "--out", str(tmp_path / "x")]) == 0
+    assert console.main(["run", str(DEFAULT_CONFIG), "--set", "partition.num_clients=3", "--out", str(tmp_path / "x")]) == 0
     assert [c.partition.num_clients for c in ran] == [3]
     err = capsys.readouterr().err
     assert "warning: partition.num_clients (3) is below the 4 groups of partition.num_groups" in err
@@ -159,7 +160,7 @@ def test_an_interrupted_compare_is_completed_by_running_it_again(tmp_path, monke
     out = tmp_path / "cmp"
     args = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local,oracle", "--out", str(out), "--no-progress"]
     calls = in_process_runs(monkeypatch, stop_in="local")
-    assert cli.main(args) == 130
+    assert console.main(args) == 130
     assert calls == [("fedavg", 0), ("local", 0)]
     assert f"run it again with --out {out}" in capsys.readouterr().err
     assert json.loads((out / "fedavg" / "summary.json").read_text())["finished"] is True
@@ -168,7 +169,7 @@ def test_an_interrupted_compare_is_completed_by_running_it_again(tmp_path, monke
     fedavg_rows = (out / "fedavg" / "rounds.jsonl").read_text()
 
     calls = in_process_runs(monkeypatch)
-    assert cli.main(args) == 0
+    assert console.main(args) == 0
     assert calls == [("local", 1), ("oracle", 0)]  # fedavg kept, local resumed from its round-1 checkpoint
     assert (out / "fedavg" / "rounds.jsonl").read_text() == fedavg_rows
     for name in ("local", "oracle"):
@@ -180,7 +181,7 @@ def test_an_interrupted_compare_is_completed_by_running_it_again(tmp_path, monke
     assert runner.plan_continuation(out / "local", rounds=5).completed_round == 3  # a resumed run's checkpoint is its own
 
     calls = in_process_runs(monkeypatch)  # once complete, a rerun runs nothing and writes the same table
-    assert cli.main(args) == 0 and calls == []
+    assert console.main(args) == 0 and calls == []
     assert (out / "comparison.md").read_text() == table
 
 
@@ -188,9 +189,9 @@ def test_a_compare_rerun_with_other_options_refuses_the_earlier_results(tmp_path
     out = tmp_path / "cmp"
     in_process_runs(monkeypatch, stop_in="local")
     base = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local", "--out", str(out), "--no-progress"]
-    assert cli.main(base) == 130
+    assert console.main(base) == 130
     calls = in_process_runs(monkeypatch)
-    assert cli.main([*base, "--set", "client.lr=0.01"]) == 2
+    assert console.main([*base, "--set", "client.lr=0.01"]) == 2
     assert f"--out: {out / 'fedavg'} holds a run whose client.lr differs from this comparison's" in capsys.readouterr().err
     assert calls == []
 
@@ -201,9 +202,9 @@ def test_a_stopped_compare_is_completed_on_another_engine(tmp_path, monkeypatch)
     out = tmp_path / "cmp"
     base = ["compare", str(DEFAULT_CONFIG), *TINY, "--strategies", "fedavg,local", "--out", str(out), "--no-progress"]
     in_process_runs(monkeypatch, stop_in="local")
-    assert cli.main([*base, "--set", "simulation.engine=inprocess"]) == 130
+    assert console.main([*base, "--set", "simulation.engine=inprocess"]) == 130
     calls = in_process_runs(monkeypatch)
-    assert cli.main([*base, "--set", "simulation.engine=batched"]) == 0
+    assert console.main([*base, "--set", "simulation.engine=batched"]) == 0
     assert calls == [("local", 1)]
     assert yaml.safe_load((out / "local" / "config.yaml").read_text())["simulation"]["engine"] == "batched"
     assert (out / "comparison.md").is_file()
@@ -235,6 +236,6 @@ def test_version_is_the_one_pyproject_declares(capsys):
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     with pytest.raises(SystemExit) as stop:
-        cli.main(["--version"])
+        console.main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out.strip() == f"fedcluster {declared}"

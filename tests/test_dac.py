@@ -499,8 +499,8 @@ def test_the_communication_map_keeps_its_size_and_labels_the_true_clusters(tmp_p
 
 
 def test_the_relays_state_survives_a_checkpoint(tmp_path):
-    from fedcluster_flwr.checkpoints import load_checkpoint
-    from fedcluster_flwr.round_log import resume
+    from fedcluster_flwr.results.checkpoints import load_checkpoint
+    from fedcluster_flwr.results.round_log import resume
 
     for cls, options in ((DAC, DACOptions(num_neighbours=2, two_hop_estimate="reference")),
                          (PENS, PENSOptions(num_neighbours=3, num_kept=1, selection_rounds=2))):

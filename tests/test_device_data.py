@@ -10,13 +10,13 @@ import torch
 from flwr.app import Context, RecordDict
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr.cli import main
+from fedcluster_flwr.cli.console import main
 from fedcluster_flwr.apps.client_app import FedclusterClientApp
 from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.data import DataError
 from fedcluster_flwr.data.device import NodeConfigError, load_device_data, node_data_source
 from fedcluster_flwr.data.sources import InputFormat, input_format
-from fedcluster_flwr.export import config_hash, export_partitions
+from fedcluster_flwr.cli.export import config_hash, export_partitions
 from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from helpers import SyntheticGrid, SyntheticNode, constant_model, synthetic_round, make_setup

@@ -15,7 +15,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from helpers import assert_same_state, rows_without_timing
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.checkpoints import load_checkpoint
+from fedcluster_flwr.results.checkpoints import load_checkpoint
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.declarations.schema import ConfigError
 
@@ -109,7 +109,7 @@ def test_on_flowers_ray_engine_the_personal_models_stay_on_the_nodes_and_resume_
     """Through Flower's simulation runtime (``fedcluster run``): the same rounds as in process, and a
     run stopped after round 2 and resumed on Ray gives the uninterrupted run's rounds, its clients'
     personal models read from Flower's node contexts into the checkpoint and written back."""
-    from fedcluster_flwr.run_files import read_rounds
+    from fedcluster_flwr.results.run_files import read_rounds
     from fedcluster_flwr.runner import continue_run, plan_continuation, run_experiment
 
     settings = config("strategy.name=ditto", "strategy.client_fraction=0.5")

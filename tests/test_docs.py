@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from fedcluster_flwr import docs_reference
+from fedcluster_flwr.cli import docs_reference
 
 DOCS = ROOT / "docs"
 README_MAX_LINES = 250
@@ -29,7 +29,7 @@ def test_readme_is_short():
 def test_reference_page_is_generated_from_the_code(page):
     expected = docs_reference.PAGES[page]()
     assert page.is_file() and page.read_text() == expected, (
-        f"{page.relative_to(ROOT)} is stale: run python -m fedcluster_flwr.docs_reference"
+        f"{page.relative_to(ROOT)} is stale: run python -m fedcluster_flwr.cli.docs_reference"
     )
 
 

@@ -14,7 +14,7 @@ from fedcluster_flwr.algorithms.multimodel.strategy import IFCA
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.config.load import config_to_dict, load_config
 from fedcluster_flwr.experiment import Experiment
-from fedcluster_flwr.run_files import read_summary
+from fedcluster_flwr.results.run_files import read_summary
 from helpers import DEFAULT_CONFIG
 
 SMALL = [("rounds", 1), ("partition.num_clients", 4), ("simulation.engine", "inprocess")]

@@ -19,11 +19,11 @@ from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.protocol import MODELS, ArraySpec, Task, in_unit_interval
-from fedcluster_flwr.checkpoints import load_checkpoint
+from fedcluster_flwr.results.checkpoints import load_checkpoint
 from fedcluster_flwr.declarations.options import DeclaredOptions, from_mapping
 from fedcluster_flwr.declarations.schema import ConfigError, at_least, option
 from fedcluster_flwr.algorithms.base import HOOKS, ClusteredStrategy, Instruction, Reply
-from fedcluster_flwr.round_log import resume
+from fedcluster_flwr.results.round_log import resume
 from fedcluster_flwr.training import evaluate
 
 # Step 4: a new kind of client work. Sends the global model and P probe directions; the reply is

@@ -20,7 +20,7 @@ from flwr.superlink.grid.http_grid import HttpGrid
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import FLWR_RUN_LOG_FILTER, RunConfigError, app, run_in_process, runs_here
-from fedcluster_flwr.run_files import format_summary, read_rounds, read_summary
+from fedcluster_flwr.results.run_files import format_summary, read_rounds, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
 from helpers import rows_without_timing
 

@@ -18,7 +18,7 @@ from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.data import DataError
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import Experiment
-from fedcluster_flwr.run_files import format_summary, read_summary
+from fedcluster_flwr.results.run_files import format_summary, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
 
 HAS_EXTRA = importlib.util.find_spec("datasets") is not None and importlib.util.find_spec("flwr_datasets") is not None
@@ -162,7 +162,7 @@ def test_its_partitions_export_to_devices_and_its_png_tree_undoes_the_pools_own_
     tree is the original 8-bit pixels (un-standardised by the pool's own mean and std)."""
     from fedcluster_flwr.data.device import load_device_data
     from fedcluster_flwr.data.sources import input_format
-    from fedcluster_flwr.export import export_partitions
+    from fedcluster_flwr.cli.export import export_partitions
 
     images, labels = quadrant_images(40)
     config = hf_config(parquet_folder(tmp_path / "parquet", images, labels), tmp_path, ("partition.num_clients", 2))

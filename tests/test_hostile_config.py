@@ -29,7 +29,8 @@ import torch
 import yaml
 
 from conftest import DEFAULT_CONFIG, ROOT
-from fedcluster_flwr import cli, runner
+from fedcluster_flwr import runner
+from fedcluster_flwr.cli import console
 from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
 from fedcluster_flwr.declarations.options import from_mapping
 from fedcluster_flwr.declarations.schema import ConfigError, Interval, above, option
@@ -40,7 +41,7 @@ from fedcluster_flwr.declarations.schema import ConfigError, Interval, above, op
 
 def fedcluster(capsys, *argv: str) -> tuple[int, str, str]:
     """``fedcluster ARGV`` in this process: its exit code, stdout and stderr."""
-    code = cli.main([*argv])
+    code = console.main([*argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -344,7 +345,7 @@ def test_a_disk_that_fills_during_the_run_is_one_line_saying_what_was_kept(tmp_p
     what is there (the last checkpoint before the disk filled)."""
     from fedcluster_flwr import run_process as simulation
     from fedcluster_flwr.apps.server_app import run_in_process
-    from fedcluster_flwr.recorder import RunRecorder
+    from fedcluster_flwr.results.recorder import RunRecorder
 
     config, _ = load_config(DEFAULT_CONFIG, [("rounds", 4), ("strategy.name", "fedavg")])
     save = RunRecorder.save_checkpoint
@@ -405,7 +406,7 @@ def named_paths(message: str) -> list[Path]:
 
 
 def test_messages_of_a_run_stopped_or_failed_early_name_only_files_that_exist(tmp_path):
-    from fedcluster_flwr.run_outcome import stop_message, what_was_kept
+    from fedcluster_flwr.results.run_outcome import stop_message, what_was_kept
 
     never_created = tmp_path / "run"
     for message in (stop_message("SIGINT", never_created), str(runner.Interrupted(signal.SIGINT, never_created)),
@@ -489,7 +490,7 @@ def test_a_stop_signal_while_fedcluster_starts_gives_its_exit_code_and_one_line(
 
 
 def test_a_stop_signal_outside_a_run_is_one_line_in_process(capsys, monkeypatch):
-    from fedcluster_flwr import commands
+    from fedcluster_flwr.cli import commands
 
     def stop_while_loading(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (the main) thread at once

@@ -33,7 +33,8 @@ from helpers import (
     CIFAR_BATCHES, configure, connect_test_run, constant_model, fit_res, make_setup, metrics_record, recorded_rows, reply_to,
     synthetic_grid, write_cifar,
 )
-from fedcluster_flwr import cli, runner
+from fedcluster_flwr import runner
+from fedcluster_flwr.cli import console
 from fedcluster_flwr.algorithms.baselines.strategy import FedAvg, FractionOptions
 from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
 from fedcluster_flwr.data import DataError, load_pool
@@ -42,7 +43,7 @@ from fedcluster_flwr.data.sources import InputFormat
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.protocol import ACCURACY, CONFIG, EVALUATE, METRICS, MODEL, NUM_EXAMPLES, ROUND_KEY, TEST_LOSS, TRAIN, ProtocolError
-from fedcluster_flwr.recorder import CLAIM_FILE, RunRecorder
+from fedcluster_flwr.results.recorder import CLAIM_FILE, RunRecorder
 from fedcluster_flwr.declarations.schema import ConfigError
 
 MNIST_CONFIG = ROOT / "conf" / "mnist_iid_fedavg.yaml"
@@ -58,7 +59,7 @@ def one_error_line(err: str) -> str:
 def fedcluster(argv: list[str], capsys: Any, monkeypatch: Any) -> tuple[int, str]:
     """``fedcluster ARGV`` in this process; the engine must never start (the mistake is found first)."""
     monkeypatch.setattr(runner, "_run_in_own_process", lambda *a, **kw: pytest.fail("the engine started"))
-    code = cli.main([*argv, "--no-progress"])
+    code = console.main([*argv, "--no-progress"])
     return code, capsys.readouterr().err
 
 
@@ -518,7 +519,7 @@ def test_an_instruction_without_a_round_or_with_a_bad_one_is_one_line_naming_it(
 
 
 def test_a_run_stopped_while_starting_gives_up_its_claim_so_the_same_command_starts_it_again(tmp_path):
-    from fedcluster_flwr.recorder import CLAIM_FILE, check_run_dir_free, claim_run_dir, release_unused_claim
+    from fedcluster_flwr.results.recorder import CLAIM_FILE, check_run_dir_free, claim_run_dir, release_unused_claim
 
     started = tmp_path / "stopped_while_starting"
     claim_run_dir(started)

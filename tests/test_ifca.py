@@ -17,8 +17,8 @@ from fedcluster_flwr.clustering import purity
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.protocol import MODELS, TRAIN
-from fedcluster_flwr.checkpoints import load_checkpoint
-from fedcluster_flwr.round_log import resume
+from fedcluster_flwr.results.checkpoints import load_checkpoint
+from fedcluster_flwr.results.round_log import resume
 from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.algorithms.base.strategy import UNASSIGNED
 from fedcluster_flwr.algorithms.multimodel.strategy import IFCA, GradLoss, GradLossOptions, IFCAOptions

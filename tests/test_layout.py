@@ -67,6 +67,34 @@ def test_no_import_circles():
     assert not circles, f"import circles: {circles}"
 
 
+IMPORT_FREE_PACKAGES = ("config", "declarations", "results", "cli")  # import their modules, not the package
+
+
+@pytest.mark.parametrize("package", IMPORT_FREE_PACKAGES)
+def test_the_folders_re_export_nothing(package):
+    """A folder's ``__init__`` imports nothing: its modules are imported by their own names, so that
+    importing one (the console script's ``cli.console``, before any heavy import) loads no other."""
+    assert not {m for m in imported_modules(PACKAGE / package / "__init__.py") if m.startswith("fedcluster_flwr")}
+
+
+def test_the_command_line_is_the_top_and_the_results_sit_below_the_run():
+    """``cli/`` (the console script, its commands, export, the generated pages) is imported by nothing
+    in the package; ``results/`` (what a run leaves: written as the rounds go by, read back) imports
+    nothing of what runs it: the CLI, the runner and its process, the apps, the engines, the experiment."""
+    def within(module: str, *packages: str) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages)
+
+    modules = {module_name(p): imported_modules(p) for p in PACKAGE.rglob("*.py")}
+    into_cli = {name for name, imported in modules.items()
+                if not within(name, "fedcluster_flwr.cli") and any(within(m, "fedcluster_flwr.cli") for m in imported)}
+    assert not into_cli
+    above = ("fedcluster_flwr.cli", "fedcluster_flwr.runner", "fedcluster_flwr.run_process", "fedcluster_flwr.apps",
+             "fedcluster_flwr.engines", "fedcluster_flwr.experiment")
+    upward = {name: sorted(m for m in imported if within(m, *above)) for name, imported in modules.items()
+              if within(name, "fedcluster_flwr.results")}
+    assert not {name: up for name, up in upward.items() if up}
+
+
 def test_no_file_is_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
@@ -99,8 +127,8 @@ def test_a_strategy_setup_holds_only_the_algorithms_inputs():
 def test_no_strategy_writes_files_or_sees_the_round_log():
     for path in PACKAGE.glob("algorithms/**/*.py"):
         imported = imported_modules(path)
-        assert "fedcluster_flwr.round_log" not in imported, path
-        assert "fedcluster_flwr.files" not in imported, path
+        assert "fedcluster_flwr.results.round_log" not in imported, path
+        assert "fedcluster_flwr.results.files" not in imported, path
         if path.name != "plots.py":  # a figure is drawn to the path the results side gives it
             assert ".write_text(" not in path.read_text() and ".savefig(" not in path.read_text(), path
 

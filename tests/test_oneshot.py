@@ -429,8 +429,8 @@ def test_the_one_shot_clustering_cuts_as_configured_and_leaves_non_responders_un
 
 
 def test_an_interrupted_one_shot_phase_resumes_where_it_stopped(tmp_path):
-    from fedcluster_flwr.checkpoints import load_checkpoint
-    from fedcluster_flwr.round_log import resume
+    from fedcluster_flwr.results.checkpoints import load_checkpoint
+    from fedcluster_flwr.results.round_log import resume
 
     strategy, manager = oneshot_strategy(tmp_path), synthetic_grid(6)
     synthetic_round(strategy, manager, 1, one_shot_client())

@@ -230,8 +230,8 @@ def test_the_one_shot_round_needs_two_subspaces_or_num_clusters_of_them(tmp_path
 
 
 def test_an_interrupted_run_resumes_with_its_bases_and_places_newcomers_alike(tmp_path):
-    from fedcluster_flwr.checkpoints import load_checkpoint
-    from fedcluster_flwr.round_log import resume
+    from fedcluster_flwr.results.checkpoints import load_checkpoint
+    from fedcluster_flwr.results.round_log import resume
 
     strategy, manager = pacfl_strategy(tmp_path), synthetic_grid(6)
     synthetic_round(strategy, manager, 1, synthetic_client, fail={5})

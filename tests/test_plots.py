@@ -20,12 +20,12 @@ from matplotlib.text import Text
 from scipy.cluster.hierarchy import fcluster
 
 from conftest import ROOT
-from fedcluster_flwr import cli
+from fedcluster_flwr.cli import console
 from fedcluster_flwr.clustering import ClusteringRecord, hierarchical_clustering
 from fedcluster_flwr.plots import (
     phase_words, plot_client_matrix, plot_comparison, plot_dendrogram, plot_rounds, strategy_phase_words,
 )
-from fedcluster_flwr.run_files import format_summary
+from fedcluster_flwr.results.run_files import format_summary, run_curves
 
 matplotlib.use("Agg")
 
@@ -101,7 +101,7 @@ def test_the_comparison_has_a_title_a_target_line_and_whole_round_ticks(drawn, t
         (run / "rounds.jsonl").write_text("".join(json.dumps({"round": r, "mean_client_accuracy": accuracy}) + "\n"
                                                   for r in range(1, 4)))
         runs.append(run)
-    plot_comparison(runs, tmp_path / "comparison.png")
+    plot_comparison(run_curves(runs), tmp_path / "comparison.png")
     ax = drawn["comparison.png"].axes[0]
     assert ax.get_title() == "Mean client accuracy per round: digits / label_swap (20 clients)"
     target = [line for line in ax.get_lines() if line.get_label() == "target 0.9"]
@@ -125,7 +125,7 @@ def test_compare_help_lists_the_strategies(capsys):
     from fedcluster_flwr.registry import strategies
 
     with pytest.raises(SystemExit):
-        cli.main(["compare", "--help"])
+        console.main(["compare", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert all(name in help_text for name in strategies())
 

@@ -130,7 +130,7 @@ def test_fab_is_format_1_with_the_license_and_the_package(tmp_path):
     with zipfile.ZipFile(fab) as bundle:
         names = set(bundle.namelist())
         assert bundle.read("LICENSE") == (ROOT / "LICENSE").read_bytes()
-    assert {"fedcluster_flwr/__init__.py", "fedcluster_flwr/cli.py", "conf/default.yaml"} <= names
+    assert {"fedcluster_flwr/__init__.py", "fedcluster_flwr/cli/console.py", "conf/default.yaml"} <= names
 
 
 def test_flwr_refuses_format_1_without_the_license_file_so_format_1_is_what_applies(tmp_path):
@@ -164,7 +164,7 @@ def test_a_wheel_builds_and_passes_twine_check(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    assert "fedcluster_flwr/cli.py" in names and not any(n.startswith("tests/") for n in names)
+    assert "fedcluster_flwr/cli/console.py" in names and not any(n.startswith("tests/") for n in names)
     checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel)],
                              capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0 and "PASSED" in checked.stdout, checked.stdout + checked.stderr

@@ -140,7 +140,7 @@ def test_sequential_dac_on_flowers_ray_engine_makes_the_in_process_engines_decis
     """Through Flower's simulation runtime the turns travel one message at a time, as on our grids:
     the same neighbours drawn, the same clusters, the same rounds."""
     from fedcluster_flwr.apps.server_app import run_in_process
-    from fedcluster_flwr.run_files import read_rounds
+    from fedcluster_flwr.results.run_files import read_rounds
     from fedcluster_flwr.runner import run_experiment
     from trajectories import KEYS
 

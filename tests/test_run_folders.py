@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedcluster_flwr import cli
-from fedcluster_flwr.recorder import branch_run
-from fedcluster_flwr.run_files import DamagedRunError, run_folder_entries
+from fedcluster_flwr.cli import console
+from fedcluster_flwr.results.recorder import branch_run
+from fedcluster_flwr.results.run_files import DamagedRunError, run_folder_entries
 from test_bad_input import a_run
 
 
@@ -29,7 +29,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
 
 def fedcluster_error(capsys, *argv: str) -> str:
     """The one error line of ``fedcluster`` for ``argv`` (exit code 2, nothing else on stderr)."""
-    assert cli.main([*argv, "--no-progress"]) == 2
+    assert console.main([*argv, "--no-progress"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in lines[0], lines
     return lines[0].removeprefix("error: ")
@@ -111,7 +111,7 @@ def test_links_that_stay_inside_the_folder_are_followed_and_a_branch_copies_thei
 def test_a_last_row_cut_short_by_a_kill_is_not_a_damaged_log(tmp_path):
     """A run killed while appending a round's row leaves half a line; that round is redone on resume,
     so the plan goes ahead (a garbled line before the end is refused: test_bad_input.py's cases)."""
-    from fedcluster_flwr.run_files import read_rounds
+    from fedcluster_flwr.results.run_files import read_rounds
     from fedcluster_flwr.runner import plan_continuation
 
     run = a_run(tmp_path)

@@ -162,7 +162,7 @@ def test_a_run_whose_models_collapsed_says_so(tmp_path):
     """A diverged run (lr 20) ends with every client no better than always answering its most common
     test label: the summary names them and the printout warns; a run that learned names none."""
     from fedcluster_flwr.apps.server_app import run_in_process
-    from fedcluster_flwr.run_files import format_summary, read_summary
+    from fedcluster_flwr.results.run_files import format_summary, read_summary
 
     tiny = ("strategy.name=fedavg", "rounds=2", "partition.num_clients=6", "partition.num_groups=2", "client.epochs=1",
             "seed=0")
@@ -181,7 +181,7 @@ def test_a_run_whose_models_collapsed_says_so(tmp_path):
 
 
 def test_a_client_whose_test_set_holds_one_label_is_never_called_collapsed():
-    from fedcluster_flwr.round_log import no_better_than_majority
+    from fedcluster_flwr.results.round_log import no_better_than_majority
 
     majority = {0: 0.5, 1: 1.0, 2: 0.2}
     assert no_better_than_majority({0: 0.5, 1: 1.0, 2: 0.9}, majority) == [0]

@@ -14,7 +14,7 @@ from fedcluster_flwr.runner import continue_run, plan_continuation, run_experime
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.numerics import is_portable
-from fedcluster_flwr.run_files import read_rounds
+from fedcluster_flwr.results.run_files import read_rounds
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fedcluster_flwr.checkpoints import load_checkpoint
-from fedcluster_flwr.round_log import resume
+from fedcluster_flwr.results.checkpoints import load_checkpoint
+from fedcluster_flwr.results.round_log import resume
 from fedcluster_flwr.algorithms.base import FederationError
 from fedcluster_flwr.protocol import ACCURACY, CONFIG, ROUND_KEY, TRAIN_LOSS, VAL_LOSS
 from fedcluster_flwr.aggregation import weighted_mean

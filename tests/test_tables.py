@@ -13,8 +13,8 @@ import pytest
 
 from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
-from fedcluster_flwr.recorder import branch_run
-from fedcluster_flwr.run_files import read_rounds
+from fedcluster_flwr.results.recorder import branch_run
+from fedcluster_flwr.results.run_files import read_rounds
 from fedcluster_flwr.runner import run_experiment
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

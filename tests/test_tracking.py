@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from conftest import DEFAULT_CONFIG
-from fedcluster_flwr import tracking
+from fedcluster_flwr.results import tracking
 from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
 from fedcluster_flwr.apps.server_app import run_in_process
-from fedcluster_flwr.recorder import branch_run
-from fedcluster_flwr.run_files import read_rounds, read_summary
+from fedcluster_flwr.results.recorder import branch_run
+from fedcluster_flwr.results.run_files import read_rounds, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
-from fedcluster_flwr.tracking import TRACKING_FILE, numeric_fields
+from fedcluster_flwr.results.tracking import TRACKING_FILE, numeric_fields
 
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAVE_MLFLOW = importlib.util.find_spec("mlflow") is not None

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import ENGINES, mean_std, run_or_reuse  # noqa: E402
 
 from fedcluster_flwr.config.load import load_config  # noqa: E402
-from fedcluster_flwr.run_files import read_rounds  # noqa: E402
+from fedcluster_flwr.results.run_files import read_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "cfl_mnist_label_swap.yaml"

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster_flwr.config.load import load_config, parse_override
-from fedcluster_flwr.run_files import read_rounds
+from fedcluster_flwr.results.run_files import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
 from tables import TableRun, add_table_arguments, collapsed_clients, engine_label, main_loop, recorded_attempts  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.run_files import read_rounds
+from fedcluster_flwr.results.run_files import read_rounds
 
 
 def cluster_kind(pid: int, members: list[int], true: np.ndarray) -> str:

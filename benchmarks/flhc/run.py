@@ -25,7 +25,7 @@ from common import value_at  # noqa: E402
 
 from fedcluster_flwr.config.load import config_to_dict, load_config  # noqa: E402
 from fedcluster_flwr.plots import plot_comparison  # noqa: E402
-from fedcluster_flwr.run_files import read_rounds  # noqa: E402
+from fedcluster_flwr.results.run_files import read_rounds, run_curves  # noqa: E402
 from fedcluster_flwr.runner import run_experiment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def main() -> None:
             f"| {paper.get('flhc_after') or '–'} / {paper.get('flhc_last') or '–'} | {paper.get('fedavg_last') or '–'} "
             f"| {flhc_min:.1f} / {fedavg_min:.1f} |"
         )
-        plot_comparison([flhc_dir, fedavg_dir], out / f"{setting}.png")
+        plot_comparison(run_curves([flhc_dir, fedavg_dir]), out / f"{setting}.png")
         (out / "results.md").write_text("\n".join(lines) + "\n")
     target = load_config(ROOT / "conf" / "flhc_mnist_iid.yaml")[0].target_accuracy
     lines += [

@@ -51,12 +51,12 @@ from tables import (  # noqa: E402
     recorded_attempts, set_aside, with_engine,
 )
 
-from fedcluster_flwr.checkpoints import checkpoint_round  # noqa: E402
+from fedcluster_flwr.results.checkpoints import checkpoint_round  # noqa: E402
 from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noqa: E402
 from fedcluster_flwr.config.load import config_differences, config_to_dict, load_config, parse_override  # noqa: E402
 from fedcluster_flwr.config.sections import ExperimentConfig  # noqa: E402
 from fedcluster_flwr.declarations.schema import ConfigError  # noqa: E402
-from fedcluster_flwr.run_files import read_rounds  # noqa: E402
+from fedcluster_flwr.results.run_files import read_rounds  # noqa: E402
 from fedcluster_flwr.runner import Interrupted, plan_continuation, run_experiment  # noqa: E402
 
 BASE, PROBE = "base", "probe"

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from fedcluster_flwr.config.load import build_config
-from fedcluster_flwr.run_files import read_rounds
+from fedcluster_flwr.results.run_files import read_rounds
 from fedcluster_flwr.registry import strategies
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster_flwr.config.load import load_config
-from fedcluster_flwr.run_files import read_rounds, read_summary
+from fedcluster_flwr.results.run_files import read_rounds, read_summary
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py, tables.py

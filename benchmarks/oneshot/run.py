@@ -39,7 +39,7 @@ from fedcluster_flwr.clustering import cluster_scores
 from fedcluster_flwr.algorithms.oneshot.math import RELEVANCE_RULES, cluster_by_relevance, relevance_matrix, within_and_across
 from fedcluster_flwr.config.load import load_config
 from fedcluster_flwr.experiment import Experiment
-from fedcluster_flwr.run_files import read_rounds
+from fedcluster_flwr.results.run_files import read_rounds
 from fedcluster_flwr.algorithms.oneshot.strategy import feature_config
 from fedcluster_flwr.algorithms.oneshot.tasks import (
     EIGEN_FLOOR_KEY,

@@ -43,7 +43,7 @@ from flwr.serverapp.strategy import Result
 
 from ..algorithms.base import ClusteredStrategy, StrategySetup
 from .. import flower_patches
-from ..checkpoints import load_checkpoint
+from ..results.checkpoints import load_checkpoint
 from ..client import kept_state, restore_kept_state
 from ..config.load import ConfigWarning
 from ..declarations.roles import NO_EFFECT_UNDER_FLWR_RUN, declared, default_of
@@ -53,9 +53,9 @@ from ..engines.batched import BatchedCompute
 from ..engines.inprocess import BatchedGrid, InProcessGrid, batched_rendezvous, partition_node_configs
 from ..experiment import Experiment
 from ..numerics import configure_driver_torch, torch_threads
-from ..recorder import run_dir_name
-from ..round_log import resume as resume_strategy
-from ..run_files import RoundRow, format_summary, read_summary
+from ..results.recorder import run_dir_name
+from ..results.round_log import resume as resume_strategy
+from ..results.run_files import RoundRow, format_summary, read_summary
 from ..declarations.schema import ConfigError, lookup
 from .client_app import FedclusterClientApp
 from .run_config import config_from_run_config, experiment_from_run_config, run_config_notes

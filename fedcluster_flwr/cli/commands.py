@@ -8,7 +8,7 @@
     fedcluster export-partitions CONFIG DIR [--set KEY=VALUE]... [--images]
 
 This module parses the command line and prints; :mod:`fedcluster_flwr.runner` runs, resumes and
-branches, and :mod:`fedcluster_flwr.cli` (the console script) imports this module only once stop
+branches, and :mod:`fedcluster_flwr.cli.console` (the console script) imports this module only once stop
 signals are handled. User mistakes (bad config, missing data) print one ``error:`` line and exit
 with 2; a run stopped by Ctrl-C, SIGTERM or SIGHUP prints one line naming its results and the
 ``fedcluster resume`` that continues it, and exits with 128 + the signal (130, 143, 129), nothing
@@ -26,17 +26,17 @@ from typing import Any
 
 import yaml
 
-from . import runner
-from .config.load import ConfigWarning, config_differences, config_to_dict, keys_set_in, load_config, parse_override
-from .config.sections import ExperimentConfig
-from .config.cost import estimate_cost
-from .data import DataError
-from .files import atomic_write
-from .plots import plot_comparison
-from .recorder import run_dir_name
-from .run_files import RoundRow, format_summary, read_summary
-from .declarations.schema import ConfigError, InRegistry, config_keys, lookup
-from .registry import strategies
+from .. import runner
+from ..config.load import ConfigWarning, config_differences, config_to_dict, keys_set_in, load_config, parse_override
+from ..config.sections import ExperimentConfig
+from ..config.cost import estimate_cost
+from ..data import DataError
+from ..results.files import atomic_write
+from ..plots import plot_comparison
+from ..results.recorder import run_dir_name
+from ..results.run_files import RoundRow, format_summary, read_summary, run_curves
+from ..declarations.schema import ConfigError, InRegistry, config_keys, lookup
+from ..registry import strategies
 
 EXIT_USER_ERROR = 2
 
@@ -52,7 +52,7 @@ class ConsoleProgress:
     def start(self, config: ExperimentConfig, run_dir: Path, completed_round: int, last_round: int) -> None:
         from tqdm import tqdm
 
-        from .plots import run_title
+        from ..plots import run_title
 
         stopping = "" if last_round == config.rounds else f", stopping after round {last_round}"
         print(f"fedcluster: {run_title(config)}, {config.rounds} rounds{stopping} -> {run_dir}", flush=True)
@@ -154,7 +154,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         rows.append((name, summary))
     table = comparison_table(rows)
     atomic_write(out / "comparison.md", table + "\n")
-    plot_comparison([out / name for name, _ in rows], out / "comparison.png")
+    plot_comparison(run_curves([out / name for name, _ in rows]), out / "comparison.png")
     print(table)
     print(f"\nwritten: {out / 'comparison.md'}, {out / 'comparison.png'}")
     return 0
@@ -217,14 +217,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for run_dir in run_dirs:
         if not all((run_dir / name).is_file() for name in ("rounds.jsonl", "config.yaml")):
             raise ConfigError("RUN_DIR", f"{run_dir} has no rounds.jsonl and config.yaml (is it a fedcluster run?)")
-    plot_comparison(run_dirs, Path(args.out))
+    plot_comparison(run_curves(run_dirs), Path(args.out))
     print(f"written: {args.out}")
     return 0
 
 
 def cmd_export_partitions(args: argparse.Namespace) -> int:
     """Write every simulated client's data as a device's data folder (see export.py)."""
-    from .data.device import MANIFEST_FILE
+    from ..data.device import MANIFEST_FILE
     from .export import export_partitions
 
     config = _load(args)
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run its command; a user's mistake is one ``error:`` line and exit code 2,
     a failed run 1, a stopped one 128 + the signal. A stop signal outside a run is
-    :func:`fedcluster_flwr.cli.main`'s to report."""
+    :func:`fedcluster_flwr.cli.console.main`'s to report."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

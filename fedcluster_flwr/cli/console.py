@@ -3,7 +3,7 @@
     fedcluster run CONFIG [--set KEY=VALUE]... [--out DIR] [--dry-run]
     fedcluster compare | resume | plot | export-partitions ...   (fedcluster --help)
 
-The commands (:mod:`fedcluster_flwr.commands`) import torch, Flower and the strategies: seconds
+The commands (:mod:`fedcluster_flwr.cli.commands`) import torch, Flower and the strategies: seconds
 during which a Ctrl-C would otherwise end in a ``KeyboardInterrupt`` traceback and a SIGTERM
 without a word. So this module imports nothing but the standard library, and :func:`main` handles
 SIGINT, SIGTERM and SIGHUP before it imports the commands: a stop signal at any instant ends

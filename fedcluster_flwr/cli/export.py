@@ -13,11 +13,11 @@ import numpy as np
 import torch
 import yaml
 
-from .config.load import config_to_dict
-from .config.sections import ExperimentConfig
-from .data.device import CLIENT_ID, CLUSTER_ID, DATA_DIR, MANIFEST_FILE, NPZ_FILE, SPLITS
-from .data.sources import normalization
-from .experiment import Experiment
+from ..config.load import config_to_dict
+from ..config.sections import ExperimentConfig
+from ..data.device import CLIENT_ID, CLUSTER_ID, DATA_DIR, MANIFEST_FILE, NPZ_FILE, SPLITS
+from ..data.sources import normalization
+from ..experiment import Experiment
 
 
 def config_hash(config_dict: Mapping[str, Any]) -> str:

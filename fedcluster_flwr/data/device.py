@@ -1,5 +1,5 @@
 """A device's own data: what a real SuperNode started with ``data-dir`` trains and evaluates on
-(:mod:`fedcluster_flwr.export` writes a simulated experiment's partitions in this format).
+(:mod:`fedcluster_flwr.cli.export` writes a simulated experiment's partitions in this format).
 
 A data folder holds either
 

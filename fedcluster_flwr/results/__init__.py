@@ -1,2 +1,3 @@
 """What a run leaves: its folder written as the rounds go by (recorder, round log, checkpoints,
-plots, tracking) and read back (run files, outcome lines). Imports nothing: import the modules."""
+tracking; the figures drawn with fedcluster_flwr.plots) and read back (run files, outcome lines).
+Imports nothing: import the modules."""

@@ -44,9 +44,9 @@ import yaml
 
 from .checkpoints import write_checkpoint
 from .files import atomic_write, written_aside
-from .plots import plot_rounds
+from ..plots import plot_rounds
 from .run_files import RoundRow, read_rounds, run_folder_entries
-from .declarations.schema import ConfigError
+from ..declarations.schema import ConfigError
 from .tracking import TRACKING_FILE, Tracker, branch_record, check_tracking, open_tracker
 
 
@@ -214,7 +214,7 @@ class RunRecorder:
         self.on_round = on_round
         self.config = config or {}  # the resolved config, as plain data: its ``tracking`` is opened
         self.rows: list[RoundRow] = []
-        self.tracker: Tracker | None = None  # `tracking:` (fedcluster_flwr.tracking), opened by start/resume
+        self.tracker: Tracker | None = None  # `tracking:` (fedcluster_flwr.results.tracking), opened by start/resume
 
     def start(self, resolved_config: Mapping[str, Any]) -> None:
         """Begin a run in an empty (or new) directory, claimed for it (:func:`claim_run_dir`);
@@ -253,7 +253,7 @@ class RunRecorder:
 
     def save_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         """``checkpoint/state.json`` and ``checkpoint/models.npz``: the tree ``checkpoint`` (dicts,
-        lists, JSON scalars and arrays; see :func:`~fedcluster_flwr.checkpoints.load_checkpoint`)
+        lists, JSON scalars and arrays; see :func:`~fedcluster_flwr.results.checkpoints.load_checkpoint`)
         with every array moved to the ``.npz``. Both files carry ``checkpoint["round"]``, so a torn
         pair is detected; ``state.json`` is tied to this run's row of that round."""
         write_checkpoint(self.run_dir / "checkpoint", checkpoint, self.rows)

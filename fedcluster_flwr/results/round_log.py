@@ -6,7 +6,7 @@ traffic, failures, rejected replies, training loss; every client's evaluation) i
 totals (also per phase) and wall time, the metrics row of every round (mean, per assigned
 cluster and per *true* cluster accuracy, clustering scores against the true ids, traffic), the
 summary, and when checkpoints, artifacts and plots are due. Files are written through
-:class:`~fedcluster_flwr.recorder.RunRecorder`. The strategy is only read, through its public
+:class:`~fedcluster_flwr.results.recorder.RunRecorder`. The strategy is only read, through its public
 hooks (phase, assignment, round_metrics, summary, state_dict, artifacts); it writes nothing
 and never sees this log.
 
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 from flwr.common import log
 
-from .algorithms.base import UNASSIGNED, ClusteredStrategy
-from .algorithms.base.directory import UNKNOWN_CLUSTER
-from .algorithms.base.strategy import RoundReport
-from .clustering import cluster_scores, mean_by
+from ..algorithms.base import UNASSIGNED, ClusteredStrategy
+from ..algorithms.base.directory import UNKNOWN_CLUSTER
+from ..algorithms.base.strategy import RoundReport
+from ..clustering import cluster_scores, mean_by
 from .recorder import RunRecorder
 
 
@@ -238,7 +238,7 @@ class RoundLog:
 
 def resume(strategy: ClusteredStrategy, log: RoundLog, checkpoint: Mapping[str, Any]) -> None:
     """Continue ``strategy`` (freshly built from the run's config) and its ``log`` from ``checkpoint``
-    (:func:`~fedcluster_flwr.checkpoints.load_checkpoint`): its state, the log's totals, and the
+    (:func:`~fedcluster_flwr.results.checkpoints.load_checkpoint`): its state, the log's totals, and the
     round numbering (Flower counts the remaining rounds from 1 again; ``round_offset`` maps them)."""
     completed = int(checkpoint["round"])
     strategy.load_state_dict(checkpoint["strategy"])

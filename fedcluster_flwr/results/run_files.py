@@ -1,6 +1,6 @@
 """A run directory read back: its rows, summary and config, and the error for a damaged one.
 
-What a run directory holds (the results contract) is listed in :mod:`fedcluster_flwr.recorder`,
+What a run directory holds (the results contract) is listed in :mod:`fedcluster_flwr.results.recorder`,
 which writes it; everything here only reads. A missing, truncated or edited file is a
 :class:`DamagedRunError` naming it, and so is an entry a run folder from elsewhere may hold but a
 run never writes (a link out of the folder, a loop, a device, a FIFO: :func:`run_folder_entries`).
@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .declarations.schema import ConfigError
+from ..declarations.schema import ConfigError
 
 RoundRow = dict[str, Any]
 
@@ -191,3 +191,9 @@ def read_rounds(run_dir: Path) -> list[RoundRow]:
             raise DamagedRunError(path, f"line {number} is not a round's row (a JSON object with an integer \"round\")")
         rows.append(row)
     return rows
+
+
+def run_curves(run_dirs: Sequence[Path]) -> list[tuple[str, dict[str, Any], list[RoundRow]]]:
+    """Each run's folder name, resolved config and rows: what a comparison plot draws
+    (:func:`fedcluster_flwr.plots.plot_comparison`)."""
+    return [(Path(d).name, read_run_config(d), read_rounds(d)) for d in run_dirs]

@@ -1,5 +1,5 @@
 """Experiment tracking (``tracking: tensorboard | mlflow | none``): each round's numeric results and
-the final summary, sent to TensorBoard or MLflow as :class:`~fedcluster_flwr.recorder.RunRecorder`
+the final summary, sent to TensorBoard or MLflow as :class:`~fedcluster_flwr.results.recorder.RunRecorder`
 records them, so every engine and ``flwr run`` track alike; strategies know nothing of it.
 
 What is logged: every numeric field of a ``rounds.jsonl`` row at step = the round (nested ones by
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .files import atomic_write
-from .declarations.schema import ConfigError
+from ..declarations.schema import ConfigError
 
 TRACKING_FILE = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
