@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.optim.adam import adam as adam_step
+from torch.optim.sgd import sgd as sgd_step
 
 from ..training import ADAM_BETAS, ADAM_EPS, PLAIN, START, Objective, TrainSettings
 from ..types import NDArrays
@@ -208,17 +209,13 @@ class StackedOptimizer:
                         full.index_copy_(0, rows, part_state)
 
     def _sgd(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list) -> None:
-        """torch.optim.SGD's step (dampening 0, no Nesterov); its first momentum buffer is a copy of
-        the gradient, which a buffer of zeros times ``momentum`` plus the gradient is in every bit."""
+        """torch.optim.SGD's step (dampening 0, no Nesterov), torch's own function: the learning
+        rate, weight decay and momentum applied as every unstacked training applies them. Its first
+        momentum buffer is a copy of the gradient; here the buffers start at zero, and zero times
+        ``momentum`` plus the gradient is that copy in every bit."""
         s = self.settings
-        if s.weight_decay != 0:
-            grads = torch._foreach_add(grads, params, alpha=s.weight_decay)
-        if s.momentum != 0:
-            # buf = momentum * buf + grad; at the first step buf is 0, so buf becomes grad exactly
-            torch._foreach_mul_(buffers, s.momentum)
-            torch._foreach_add_(buffers, grads)
-            grads = buffers
-        torch._foreach_add_(params, grads, alpha=-s.lr)
+        sgd_step(params, grads, buffers, foreach=True, weight_decay=s.weight_decay, momentum=s.momentum, lr=s.lr,
+                 dampening=0.0, nesterov=False, maximize=False)
 
 
 def _schedule_on_device(
