@@ -84,7 +84,7 @@ def test_the_lists_in_use_are_the_derived_ones():
                                           "simulation.num_cpus_per_client", "tracking"}
     assert runner.BRANCH_FIXED == ("dataset", "partition", "model", "client", "strategy.name", "seed")
     assert set(IGNORED_UNDER_FLWR_RUN) == {"simulation.ray_address", "simulation.num_cpus_per_client",
-                                           "simulation.num_gpus_per_client"}
+                                           "simulation.num_gpus_per_client", "simulation.batched_actors"}
     assert declared(DummyExperiment, NO_EFFECT_UNDER_FLWR_RUN)["simulation.dummy_ignored"].reason == "a dummy's reason"
     assert default_of(DummyExperiment, "dummy_run_config") == 7
     assert default_of(DummyExperiment, "simulation.num_cpus_per_client") == 1.0

@@ -7,6 +7,8 @@ batched engine's CPU rule (benchmarks/engines/README.md).
     python benchmarks/engines/run.py table results/all_confs.jsonl   # those rows as a markdown table
     python benchmarks/engines/run.py rounds --confs default --rounds 30 --vs ../before --repeat 3 --tag vs
                                                               # each run also from another commit's checkout, in turn
+    python benchmarks/engines/run.py rounds --confs dac_fmnist_rot4 --engines batched,batched@2,ray --rounds 2
+                                                              # batched@N: over N Ray actors on this machine
 
 ``models``: for every registered model on 28x28 (or 8x8 for the digits models) random inputs, K
 clients x one epoch at the confs' batch sizes, timed alternately one client after another
@@ -126,8 +128,10 @@ def time_one_run(conf: str, engine: str, rounds: int, extra: list[str], root: Pa
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run"
+        name, _, actors = engine.partition("@")  # batched@2: the batched engine over 2 Ray actors on this machine
+        sharding = ["--set", f"simulation.batched_actors={actors}"] if actors else []
         command = [sys.executable, "-m", "fedcluster_flwr.cli", "run", str(root / "conf" / f"{conf}.yaml"),
-                   "--out", str(out), "--set", f"simulation.engine={engine}", "--set", f"rounds={rounds}",
+                   "--out", str(out), "--set", f"simulation.engine={name}", "--set", f"rounds={rounds}", *sharding,
                    *[item for setting in extra for item in ("--set", setting)]]
         started = time.perf_counter()
         done = subprocess.run(command, cwd=root, capture_output=True, text=True, env=env)

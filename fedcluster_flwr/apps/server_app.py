@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
@@ -50,7 +50,8 @@ from ..declarations.roles import NO_EFFECT_UNDER_FLWR_RUN, declared, default_of
 from ..config.sections import ExperimentConfig
 from ..data import DataError
 from ..engines.batched import BatchedCompute
-from ..engines.inprocess import BatchedGrid, InProcessGrid, batched_rendezvous, partition_node_configs
+from ..engines.inprocess import BatchedGrid, InProcessGrid, batched_rendezvous, node_id_of, partition_node_configs
+from ..engines.sharded import ShardedGrid, sharded_grid
 from ..experiment import Experiment
 from ..numerics import configure_driver_torch, torch_threads
 from ..results.recorder import run_dir_name
@@ -100,19 +101,40 @@ def plan_run(
     return RunPlan(strategy, remaining, config.simulation.round_timeout_s, client_states)
 
 
-def node_states(grid: Grid) -> Callable[[], dict[int, Any]] | None:
-    """How to read each node's ``Context.state`` (by partition id) on ``grid``: our grids' contexts,
-    the contexts Flower's simulation engine keeps in this process (where ``fedcluster run`` noted
-    them, :mod:`fedcluster_flwr.flower_patches`); None elsewhere (a deployment: the state stays on the
-    devices)."""
+@dataclass(frozen=True)
+class NodeStates:
+    """How to read what each node keeps (its ``Context.state``: :func:`~fedcluster_flwr.client.kept_state`'s
+    plain values, by partition id) and how to give a checkpoint's back."""
+
+    read: Callable[[], dict[int, dict[str, Any]]]
+    restore: Callable[[Mapping[int, Mapping[str, Any]]], None]
+
+    @classmethod
+    def of_contexts(cls, contexts: Callable[[], Mapping[int, RecordDict]]) -> NodeStates:
+        """Of node states held in this process (``contexts()``: partition id -> its node's state)."""
+
+        def restore(kept: Mapping[int, Mapping[str, Any]]) -> None:
+            for pid, records in contexts().items():
+                restore_kept_state(records, kept.get(pid, {}))
+
+        return cls(lambda: {pid: kept_state(records) for pid, records in contexts().items()}, restore)
+
+
+def node_states(grid: Grid) -> NodeStates | None:
+    """How to reach each node's ``Context.state`` on ``grid``: our grids' contexts (a sharded grid's
+    through its actors), the contexts Flower's simulation engine keeps in this process (where
+    ``fedcluster run`` noted them, :mod:`fedcluster_flwr.flower_patches`); None elsewhere (a
+    deployment: the state stays on the devices)."""
+    if isinstance(grid, ShardedGrid):
+        return NodeStates(grid.node_states, grid.restore_states)
     if isinstance(grid, InProcessGrid):
-        return lambda: {int(c.node_config["partition-id"]): c.state for c in grid.contexts.values()}
+        return NodeStates.of_contexts(lambda: {int(c.node_config["partition-id"]): c.state for c in grid.contexts.values()})
     # Imported here, not at the top: flwr.superlink costs start-up ~0.8 s (SQLAlchemy) that the
     # in-process engines never need; where this line runs on Flower's engine it is loaded already.
     from flwr.superlink.grid import InMemoryGrid
 
     if isinstance(grid, InMemoryGrid) and flower_patches.noting_node_states():
-        return lambda: flower_patches.node_states(grid.run.run_id) or {}
+        return NodeStates.of_contexts(lambda: flower_patches.node_states(grid.run.run_id) or {})
     return None
 
 
@@ -123,10 +145,9 @@ def serve(grid: Grid, plan: RunPlan) -> Result:
     which is said."""
     states, kept = node_states(grid), plan.client_states
     if states is not None:
-        plan.strategy.observer.client_states = lambda: {pid: values for pid, records in sorted(states().items())
-                                                          if (values := kept_state(records))}
-        for pid, records in states().items():
-            restore_kept_state(records, (kept or {}).get(pid, {}))
+        plan.strategy.observer.client_states = lambda: {pid: values for pid, values in sorted(states.read().items())
+                                                          if values}
+        states.restore(kept or {})
     if plan.strategy.keeps_client_state and (kept is None or kept and states is None):
         where = "this checkpoint holds none (it was made under flwr run or on devices)" if kept is None else \
             "this grid (a deployment) cannot be given theirs back"
@@ -155,27 +176,51 @@ class ExperimentServerApp(ServerApp):
 
 
 @contextmanager
-def engine_grid(experiment: Experiment) -> Iterator[InProcessGrid]:
+def engine_grid(experiment: Experiment, shard: bool = True) -> Iterator[InProcessGrid]:
     """The grid of the experiment's in-process engine (``inprocess``, or ``batched``: the round's clients
-    executed together), over the ClientApp with every client built before the first round, so that
-    a client that cannot be built (its data, its device) is an error before anything runs."""
+    executed together; over Ray actors with ``simulation.batched_actors`` or ``ray_address``), over the
+    ClientApp with every client built before the first round, so that a client that cannot be built
+    (its data, its device) is an error before anything runs. ``shard`` False: no actors, whatever the
+    config says (``flwr run``, where the simulation runtime owns Ray)."""
     config = experiment.config
+    sharded = config.simulation.batched_actors is not None or config.simulation.ray_address is not None
+    if config.simulation.engine == "batched" and shard and sharded:
+        with sharded_grid(config, functools.partial(shard_grid, experiment)) as sharded:
+            yield sharded
+        return
     nodes = partition_node_configs(config.partition.num_clients)
     if config.simulation.engine == "batched":
-        rendezvous = batched_rendezvous(config)
-        app = FedclusterClientApp(experiment, keep_clients=True, compute=functools.partial(BatchedCompute, rendezvous))
-        grid: InProcessGrid = BatchedGrid(app, nodes, rendezvous=rendezvous)
+        grid: InProcessGrid = shard_grid(experiment, range(config.partition.num_clients))
+        rendezvous = grid.rendezvous
     else:
         rendezvous = None
         app = FedclusterClientApp(experiment, keep_clients=True)
         grid = InProcessGrid(app, nodes)
-    try:
         for context in grid.contexts.values():
             app.client(context)
+    try:
         yield grid
     finally:
         if rendezvous is not None:
             rendezvous.close()
+
+
+def shard_grid(experiment: Experiment, pids: Sequence[int], cores: int | None = None) -> BatchedGrid:
+    """The batched grid of partitions ``pids`` (all of a single-process run, or one shard of a sharded
+    one, in its Ray actor), every client built; ``cores``: the CPU cores its workers may take."""
+    config = experiment.config
+    pids = list(pids)
+    rendezvous = batched_rendezvous(config, cores)
+    app = FedclusterClientApp(experiment, keep_clients=True, compute=functools.partial(BatchedCompute, rendezvous))
+    nodes = [{"partition-id": pid, "num-partitions": config.partition.num_clients} for pid in pids]
+    grid = BatchedGrid(app, nodes, node_ids=[node_id_of(pid) for pid in pids], rendezvous=rendezvous)
+    try:
+        for context in grid.contexts.values():
+            app.client(context)
+    except BaseException:
+        rendezvous.close()
+        raise
+    return grid
 
 
 def run_in_process(
@@ -186,10 +231,13 @@ def run_in_process(
     resume: bool = False,
     stop_after: int | None = None,
     on_round: Callable[[RoundRow], None] | None = None,
+    shard: bool = True,
 ) -> ClusteredStrategy:
-    """Run ``config``'s experiment (or the ``Experiment`` given) to the end (or to ``stop_after``, checkpointed; ``resume``: from the checkpoint
-    in ``run_dir``) on its engine's grid in this process (``simulation.engine`` ``batched``: the
-    round's clients executed together; any other: one after another); return the strategy (its
+    """Run ``config``'s experiment (or the ``Experiment`` given) to the end (or to ``stop_after``,
+    checkpointed; ``resume``: from the checkpoint in ``run_dir``) on its engine's grid
+    (``simulation.engine`` ``batched``: the round's clients executed together, in this process or,
+    with ``shard`` and ``simulation.batched_actors`` / ``ray_address``, in Ray actors, the server
+    side here; any other: one after another, in this process); return the strategy (its
     models, assignment; its round log is ``observer``). torch runs one thread inside, as in each of
     the Ray engine's clients (the caller's count is restored).
 
@@ -199,7 +247,7 @@ def run_in_process(
     experiment = config if isinstance(config, Experiment) else Experiment(config)
     app = ExperimentServerApp(experiment, run_dir, on_round=on_round, resume=resume, stop_after=stop_after,
                               make_strategy=make_strategy)
-    with torch_threads(1), engine_grid(experiment) as grid:
+    with torch_threads(1), engine_grid(experiment, shard) as grid:
         app(grid, Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), {}))
     assert app.plan is not None
     return app.plan.strategy
@@ -331,7 +379,7 @@ def flwr_run_main(grid: Grid, context: Context) -> None:
         log(INFO, "fedcluster: simulation.engine %s: the ServerApp runs the %s clients in this process (Flower's "
                   "Ray actors stay idle)", config.simulation.engine, config.partition.num_clients)
         configure_driver_torch(config)
-        run_in_process(experiment_from_run_config(context.run_config), run_dir, on_round=log_round)
+        run_in_process(experiment_from_run_config(context.run_config), run_dir, on_round=log_round, shard=False)
 
 
 def flwr_run_lifespan(context: Context) -> Iterator[None]:

@@ -123,6 +123,11 @@ class SimulationConfig(DeclaredOptions):
     batched_memory_gb: float | None = option(None, above(0), roles=(EXECUTION,))
     # batched, on a CPU: worker threads (one torch thread each); null: one per core this process may use.
     batched_workers: int | None = option(None, at_least(1), roles=(EXECUTION,))
+    # batched: Ray actors the clients are spread over, each running the batched engine on its shard
+    # (docs/how-to/ray-cluster-gpu.md). null: none (the run's own process runs them all) on this
+    # machine; with ray_address, one per GPU (client.device cuda/auto) or else one per node of the cluster.
+    batched_actors: int | None = option(None, at_least(1), roles=(
+        EXECUTION, no_effect_under_flwr_run("under flwr run the ServerApp's process runs the batched clients itself")))
     # Ray resources per simulated client
     num_cpus_per_client: float = option(1.0, above(0), roles=(
         EXECUTION, no_effect_under_flwr_run("use flwr run --federation-config \"client-resources-num-cpus=N\"")))
@@ -142,16 +147,19 @@ class SimulationConfig(DeclaredOptions):
     # Kernels every x86-64 CPU with AVX2 runs alike (numerics.PORTABLE_NUMERICS), one thread per
     # process: a seed then fixes a CPU run bit for bit across CPU models and vendors.
     portable_numerics: bool = False
-    # An existing Ray cluster to run the clients on: its head's HOST:PORT, as `ray start --head`
+    # An existing Ray cluster to run the clients on (engine ray: one actor per client task; batched:
+    # the batched engine's shards, see batched_actors): its head's HOST:PORT, as `ray start --head`
     # prints it. null: Ray starts on this machine for this run and ends with it (see
     # docs/how-to/ray-cluster-gpu.md).
     ray_address: str | None = option(None, HostPort("10.0.0.1:6379"), roles=(
         EXECUTION, no_effect_under_flwr_run("Flower's simulation runtime starts its own Ray")))
 
     rules = (
-        OnlyWith("ray_address", Is("engine", "ray"), "only simulation.engine ray runs on a Ray cluster"),
+        OnlyWith("ray_address", Is("engine", "ray", "batched"),
+                 "only simulation.engine ray and batched run on a Ray cluster"),
         OnlyWith("batched_memory_gb", Is("engine", "batched")),
         OnlyWith("batched_workers", Is("engine", "batched")),
+        OnlyWith("batched_actors", Is("engine", "batched")),
         OnlyWith("round_timeout_s", Is("engine", "ray"),
                  "only simulation.engine ray waits for replies (engine is {engine}): inprocess and batched run every "
                  "client's call to its end in this process, deterministically, so no reply can be late; remove the "

@@ -59,12 +59,14 @@ class InProcessGrid(Grid):
         node_configs: Sequence[Mapping[str, Any]],
         run_id: int = 1,
         run_config: Mapping[str, Any] | None = None,
+        node_ids: Sequence[int] | None = None,
     ) -> None:
         self.client_app = client_app
         self._run = Run.create_empty(run_id)
+        ids = [node_id_of(i) for i in range(len(node_configs))] if node_ids is None else list(node_ids)
         self.contexts = {
-            node_id_of(i): Context(run_id, node_id_of(i), dict(config), RecordDict(), dict(run_config or {}))
-            for i, config in enumerate(node_configs)
+            node_id: Context(run_id, node_id, dict(config), RecordDict(), dict(run_config or {}))
+            for node_id, config in zip(ids, node_configs)
         }
         self._waiting: dict[str, Message] = {}  # message id -> instruction not yet run
         self._replies: dict[str, Message] = {}  # instruction's message id -> its reply
@@ -163,13 +165,14 @@ class BatchedGrid(InProcessGrid):
         return isinstance(err, EngineError)
 
 
-def batched_rendezvous(config: ExperimentConfig) -> Rendezvous:
-    """The meeting point of a batched run's clients, with its stacking policy and memory budget."""
+def batched_rendezvous(config: ExperimentConfig, cores: int | None = None) -> Rendezvous:
+    """The meeting point of a batched run's clients, with its stacking policy and memory budget;
+    ``cores``: the CPU cores its workers may take (default: the ones this process may use)."""
     device = client_device(config)
     memory = config.simulation.batched_memory_gb
     policy = BatchPolicy(
         stack_on_cpu=config.model.name not in CPU_UNSTACKED_MODELS,
         memory_bytes=default_memory_bytes(device) if memory is None else int(memory * 1024**3),
-        workers=(config.simulation.batched_workers or cpu_threads()) if device.type == "cpu" else 1,
+        workers=(config.simulation.batched_workers or cores or cpu_threads()) if device.type == "cpu" else 1,
     )
     return Rendezvous(lambda batch: execute(batch, policy), close=policy.close)
