@@ -114,3 +114,19 @@ def test_flwr_run_with_the_batched_engine_gives_fedcluster_runs_rounds(tmp_path)
     assert rows_without_timing(read_rounds(flwr_dir)) == rows_without_timing(read_rounds(out / "direct"))
     lines = run.stdout.splitlines()
     assert all(any(line.endswith(summary) for line in lines) for summary in format_summary(read_summary(flwr_dir), flwr_dir).splitlines())
+
+
+def test_under_flwr_run_batched_actors_are_named_as_without_effect_and_no_actor_starts(tmp_path, caplog, flwr_run_log,
+                                                                                        monkeypatch):
+    """Flower's simulation runtime owns Ray there: the ServerApp runs the batched clients itself."""
+    from fedcluster_flwr.apps import server_app
+
+    monkeypatch.setattr(server_app, "sharded_grid", lambda *a, **kw: pytest.fail("a sharded grid under flwr run"))
+    run_config = SMALL | {"output_dir": str(tmp_path), "set": SMALL["set"] + " simulation.engine=batched "
+                                                                             "simulation.batched_actors=2"}
+    with caplog.at_level(logging.INFO):
+        app(simulation_grid(), context(run_config))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("fedcluster: no effect under flwr run: simulation.batched_actors=2 (") for m in messages)
+    (run_dir,) = tmp_path.iterdir()
+    assert len(read_rounds(run_dir)) == 2
