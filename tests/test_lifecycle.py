@@ -174,13 +174,15 @@ def wait_until_gone(processes: dict[int, dict], within_s: float) -> dict[int, di
     return left
 
 
-def stop_at_round_2_and_resume(started: Started, run_dir: Path, stop) -> tuple[int, float, str, str]:
-    """Run the default config, ``stop`` it at round 2, check that nothing of it is left, resume it to
+def stop_at_round_2_and_resume(started: Started, run_dir: Path, stop, settings: tuple[str, ...] = OVERRIDES,
+                               ray_process: str = "ray::") -> tuple[int, float, str, str]:
+    """Run the default config with ``settings``, ``stop`` it at round 2, check that nothing of it is
+    left (a process whose command line holds ``ray_process`` was there before the stop), resume it to
     the end; return the stopped run's exit code, seconds to exit, stdout and stderr."""
-    proc = started.cli("run", str(DEFAULT_CONFIG), *(f"--set={o}" for o in OVERRIDES), "--out", str(run_dir),
+    proc = started.cli("run", str(DEFAULT_CONFIG), *(f"--set={o}" for o in settings), "--out", str(run_dir),
                        "--no-progress")
     tree = wait_for_round(proc, run_dir, started, STOP_AT_ROUND)
-    assert any("ray::" in info["cmd"] or "raylet" in info["cmd"] for info in tree.values()), describe(tree)
+    assert any(ray_process in info["cmd"] for info in tree.values()), describe(tree)
     sent = time.monotonic()
     stop(proc)
     try:

@@ -1,10 +1,13 @@
 """The batched engine over Ray actors (fedcluster_flwr.engines.sharded): shards, placement, config;
-slow: on two local actors and on a two-node Ray cluster, the decisions of single-process batched."""
+slow: on two local actors and on a two-node Ray cluster, the decisions of single-process batched; a
+`fedcluster run` on two actors stopped by Ctrl-C or SIGTERM leaves no actor and resumes to them."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 
 import pytest
 
@@ -13,7 +16,8 @@ from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.engines.sharded import place_shards, shards
 from test_engines import run_case
-from test_lifecycle import process_table
+from test_lifecycle import (OVERRIDES, STOP_AT_ROUND, assert_one_line_naming_the_resume, process_table, read_run,
+                            started, stop_at_round_2_and_resume)  # noqa: F401 - started: the fixture
 
 # Ray's cluster description, as ray.cluster_resources() and ray.nodes() give it
 TWO_NODES = [{"NodeID": "b" * 56, "NodeManagerAddress": "10.0.0.2", "Alive": True, "Resources": {"CPU": 2.0}},
@@ -158,3 +162,33 @@ def test_a_sharded_run_stops_and_resumes_on_another_number_of_actors_with_what_i
     resumed = run_in_process(config(*settings, "simulation.batched_actors=3"), tmp_path / "stopped", resume=True)
     assert_same_decisions("ditto", whole, resumed)
     assert no_shard_left()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "send", "code"), [
+    ("ctrl-c", lambda proc: os.killpg(proc.pid, signal.SIGINT), 130),
+    ("sigterm", lambda proc: proc.send_signal(signal.SIGTERM), 143),
+])
+def test_a_stopped_sharded_run_leaves_no_actor_and_resumes_to_the_decisions_of_one_process(
+    name, send, code, started, tmp_path
+):
+    """`fedcluster run` on two actors, stopped at round 2 as a terminal or a scheduler stops it: it
+    exits in one line naming the resume, no actor, raylet or other Ray process of it is left, and
+    `fedcluster resume` (on two actors again) ends where single-process batched ends."""
+    from fedcluster_flwr.apps.server_app import run_in_process
+
+    settings = ("simulation.engine=batched", *OVERRIDES)
+    run_in_process(config(*OVERRIDES), tmp_path / "one")
+    run_dir = tmp_path / name
+    returncode, _, out, err = stop_at_round_2_and_resume(
+        started, run_dir, send, (*settings, "simulation.batched_actors=2"), ray_process="ShardHost")
+    assert returncode == code, err[-3000:]
+    assert_one_line_naming_the_resume(out, err, run_dir)
+    assert no_shard_left()
+    (rows, summary), (one_rows, one_summary) = read_run(run_dir), read_run(tmp_path / "one")
+    assert len(rows) == len(one_rows) > STOP_AT_ROUND
+    assert [r["fit_clients"] for r in rows] == [r["fit_clients"] for r in one_rows]
+    assert all(r["fit_failures"] == 0 for r in rows)
+    assert summary["assignment"] == one_summary["assignment"]
+    for pid, accuracy in one_summary["client_accuracy"].items():
+        assert summary["client_accuracy"][pid] == pytest.approx(accuracy, abs=1e-4), pid
