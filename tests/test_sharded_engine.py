@@ -124,6 +124,31 @@ def test_a_two_node_ray_cluster_makes_the_decisions_of_one_process(case, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_cluster_whose_nodes_have_gpus_gets_one_actor_per_gpu_from_rays_scheduler(tmp_path, caplog):
+    """Two nodes declaring one GPU each (Ray schedules by the declared count; torch here sees no CUDA,
+    so ``client.device: auto`` trains on the CPU): one actor per GPU, one on each node, holding it,
+    with the decisions of one process. On a real GPU the device script checks the same
+    (benchmarks/device/run.py, ``batched_actor``)."""
+    from ray.cluster_utils import Cluster
+
+    one = run_case("flhc", "batched", tmp_path / "one")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1})
+    try:
+        cluster.add_node(num_cpus=1, num_gpus=1)
+        cluster.wait_for_nodes()
+        with caplog.at_level(logging.INFO, logger="fedcluster"):
+            two = run_case("flhc", "batched", tmp_path / "two", f"simulation.ray_address={cluster.address}",
+                           "client.device=auto")
+    finally:
+        cluster.shutdown()
+    placed = re.search(r"batched over 2 Ray actors: (.*)", caplog.text).group(1)
+    nodes = re.findall(r"on node ([^;]+)", placed)
+    assert len(set(nodes)) == 2 and all(node.endswith(", GPU 0") for node in nodes), placed  # one GPU each
+    assert_same_decisions("flhc", one, two)
+    assert no_shard_left()
+
+
+@pytest.mark.slow
 def test_a_lost_actor_stops_the_run_in_one_line_naming_its_shard_and_partitions():
     """A node that dies takes its actor: the engine's fault, never the shard's clients' failures."""
     import ray
@@ -192,3 +217,24 @@ def test_a_stopped_sharded_run_leaves_no_actor_and_resumes_to_the_decisions_of_o
     assert summary["assignment"] == one_summary["assignment"]
     for pid, accuracy in one_summary["client_accuracy"].items():
         assert summary["client_accuracy"][pid] == pytest.approx(accuracy, abs=1e-4), pid
+
+
+@pytest.mark.slow
+def test_a_model_several_messages_of_a_shard_carry_is_sent_once_per_shard(tmp_path):
+    """benchmarks/engines/sharded_bytes.py, as the how-to page quotes it: an evaluation of FedAvg
+    sends every client the one global model; two actors are sent it twice, not once per client."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "bytes.json"
+    subprocess.run([sys.executable, "benchmarks/engines/sharded_bytes.py", str(DEFAULT_CONFIG), "--rounds", "1",
+                    "--actors", "2", "--set", "strategy.name=fedavg", "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    evaluation = next(e for e in json.loads(out.read_text())["exchanges"] if e["message_type"] == "evaluate")
+    per_shard = evaluation["sent_per_shard"]
+    assert evaluation["messages"] == 20 and len(per_shard) == 2
+    one_copy = evaluation["sent_one_by_one"] / evaluation["messages"]  # one client's message
+    assert all(one_copy <= sent < 1.5 * one_copy for sent in per_shard.values()), (per_shard, one_copy)
+    assert no_shard_left()

@@ -19,8 +19,10 @@ The model, for one exchange round of N clients on P nodes of c cores each:
   unpickled): (T_actors - T_c) / B, from the same round over c one-core actors on this machine, whose
   client work is the same W on the same c cores; an upper bound, as it also holds Ray's own
   per-call costs. The driver pickles every message, so this part does not shrink with P.
-* ``B`` (bytes per round): the round rows' ``bytes_down + bytes_up + bytes_eval``; ``bw`` the driver's
-  network, assumed 1.1 GB/s (10 Gb/s Ethernet).
+* ``B`` (bytes per round): the round rows' ``bytes_down + bytes_up + bytes_eval``, one copy per
+  client, an upper bound on what the actors are sent (a model several of a shard's messages carry
+  is pickled once per shard: ``sharded_bytes.py``); ``bw`` the driver's network, assumed 1.1 GB/s
+  (10 Gb/s Ethernet).
 * ``g(k)``: the per-client cost at k clients per worker relative to a full stack. At 8 or more
   clients a worker's stack runs at the stacked cost; one client alone costs ``ALONE_OVER_STACKED``
   times as much (cnn_zec_fmnist on this CPU: 7.05 ms alone against 2.45 ms stacked per client-step,

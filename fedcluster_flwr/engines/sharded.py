@@ -75,13 +75,15 @@ class ShardHost:
             self.error = err  # (an actor whose constructor raises only says that it died)
 
     def node(self) -> str:
-        """Where this actor runs (its Ray node: address and id), once its shard is built; the error
-        that kept it from being built otherwise."""
+        """Where this actor runs (its Ray node: address and id, and the GPUs Ray gave it), once its
+        shard is built; the error that kept it from being built otherwise."""
         import ray
 
         if self.error is not None:
             raise self.error
-        return f"{ray.util.get_node_ip_address()}, {ray.get_runtime_context().get_node_id()[:12]}"
+        gpus = ray.get_gpu_ids()
+        held = f", GPU {','.join(map(str, gpus))}" if gpus else ""
+        return f"{ray.util.get_node_ip_address()}, {ray.get_runtime_context().get_node_id()[:12]}{held}"
 
     def deliver(self, messages: Sequence[Message]) -> list[Message]:
         return self.grid.deliver(messages)
