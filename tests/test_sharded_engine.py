@@ -79,6 +79,8 @@ def assert_same_decisions(case, expected, got):
     """What test_engines asks of batched against inprocess, asked of sharded against batched."""
     rows, sharded_rows = expected.observer.recorder.rows, got.observer.recorder.rows
     assert [r["fit_clients"] for r in sharded_rows] == [r["fit_clients"] for r in rows], case
+    # the behaviour fixture's settings fail two clients' fits on purpose (simulation.fail_fit): the
+    # same failures, no more (no fit failed for the engine's sake), each its own client's inside a shard
     assert [r["fit_failures"] for r in sharded_rows] == [r["fit_failures"] for r in rows], case
     for before, after in zip(rows, sharded_rows):
         for pid, accuracy in before["client_accuracy"].items():
