@@ -39,15 +39,12 @@ def measured_deliver(exchanges: list[dict]):
     deliver = sharded.ShardedGrid.deliver
 
     def recorded(self, messages):
-        by_shard: dict[int, list] = {}
-        for message in messages:
-            pid = int(self.contexts[message.metadata.dst_node_id].node_config[sharded.PARTITION_ID])
-            by_shard.setdefault(self.shard_of[pid], []).append(message)
         replies = deliver(self, messages)
         exchanges.append({
             "message_type": messages[0].metadata.message_type if messages else None,
             "messages": len(messages),
-            "sent_per_shard": {k: len(pickle.dumps(batch, protocol=5)) for k, batch in sorted(by_shard.items())},
+            "sent_per_shard": {k: len(pickle.dumps([messages[i] for i in indices], protocol=5))
+                               for k, indices in sorted(self.by_shard(messages).items())},
             "sent_one_by_one": sum(len(pickle.dumps(m, protocol=5)) for m in messages),
             "replies": sum(len(pickle.dumps(r, protocol=5)) for r in replies),
         })

@@ -116,12 +116,17 @@ class ShardedGrid(InProcessGrid):
     def _no_local_app(message: Message, context: Any) -> Message:
         raise EngineError("a sharded grid runs no client in the ServerApp's process")
 
-    def deliver(self, messages: Sequence[Message]) -> list[Message]:
-        """Each message's reply, from the actor of its client's shard; every shard's messages at once."""
-        by_shard: dict[int, list[int]] = {}
+    def by_shard(self, messages: Sequence[Message]) -> dict[int, list[int]]:
+        """The messages' indices, by the shard of their client (each shard's list is one actor call)."""
+        indices: dict[int, list[int]] = {}
         for index, message in enumerate(messages):
             pid = int(self.contexts[message.metadata.dst_node_id].node_config[PARTITION_ID])
-            by_shard.setdefault(self.shard_of[pid], []).append(index)
+            indices.setdefault(self.shard_of[pid], []).append(index)
+        return indices
+
+    def deliver(self, messages: Sequence[Message]) -> list[Message]:
+        """Each message's reply, from the actor of its client's shard; every shard's messages at once."""
+        by_shard = self.by_shard(messages)
         pending = {k: self.hosts[k].deliver.remote([messages[i] for i in indices]) for k, indices in by_shard.items()}
         replies: list[Message | None] = [None] * len(messages)
         for k, indices in by_shard.items():
