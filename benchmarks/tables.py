@@ -17,6 +17,13 @@ in one of three states, read from its folder:
   ``<run>.incomplete-<n>``): started, from scratch or, for a run with a :class:`Branch`, from the
   checkpoint of another run (a threshold sweep's shared rounds) with the branch's options changed.
 
+One more state is only seen, never acted on: **in use**, a run another process is running or
+starting (its folder held, or claimed by a live process and not yet checkpointed:
+:func:`fedcluster_flwr.results.recorder.in_use_elsewhere`): skipped, left to it. So several table
+commands can share one queue, each taking the next run nobody runs (a machine with more cores than
+one command's workers use; a run is never set aside, resumed or recorded by two of them); a race
+for the same run between the check and the start is lost by one of them, which skips the run.
+
 Ctrl-C or SIGTERM stops the run in progress at its last checkpoint (every round by default) and
 the command with exit code 130/143; running the same command again continues. The run folders
 live outside the work tree by default (``$FEDCLUSTER_TABLES_DIR``, else ``~/fedcluster-tables``):
@@ -46,8 +53,11 @@ from fedcluster_flwr.config.load import (
 )
 from fedcluster_flwr.config.sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
+from fedcluster_flwr.results.recorder import RunFolderTaken, in_use_elsewhere
 from fedcluster_flwr.results.run_files import DamagedRunError, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
+
+IN_USE = "in use"  # a run another process (another table command) is running or starting: left to it
 
 # What the repository keeps of a run (branch.json: the run a branch continued, and what it changed).
 SMALL_FILES = ("summary.json", "rounds.jsonl", "config.yaml", "machine.json", "branch.json")
@@ -120,8 +130,11 @@ def kept_copy(run: TableRun, results_dir: Path) -> Path | None:
 
 
 def listed_state(run: TableRun, runs_root: Path, results_dir: Path) -> str:
-    """A run's state as ``--list`` shows it: :func:`run_state`, or ``kept`` (:func:`kept_copy`)."""
+    """A run's state as ``--list`` shows it: :func:`run_state`, ``in use`` (another process runs it)
+    or ``kept`` (:func:`kept_copy`)."""
     state = run_state(runs_root / run.name)
+    if state != "finished" and in_use_elsewhere(runs_root / run.name) is not None:
+        return IN_USE
     return "kept" if state != "finished" and kept_copy(run, results_dir) else state
 
 
@@ -222,8 +235,8 @@ def advance(
     log: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> dict[str, str]:
     """Run, resume or skip each of ``runs`` in order (see the module docstring); return each run's
-    state afterwards. ``max_runs`` stops after that many runs were started or resumed (a stretch of
-    work); ``only`` restricts to those names; ``reuse_kept`` skips a run whose finished copy is in
+    state afterwards (``in use``: another process was running or starting it). ``max_runs`` stops
+    after that many runs were started or resumed (a stretch of work); ``only`` restricts to those names; ``reuse_kept`` skips a run whose finished copy is in
     ``results_dir`` though its folder is gone. Raises :class:`Interrupted` on a stop signal, after
     the page is written from what finished."""
     names = [run.name for run in runs]
@@ -250,18 +263,28 @@ def advance(
                     keep_small_files(run_dir, results_dir)
                 states[run.name] = state
                 continue
+            if (why := in_use_elsewhere(run_dir)) is not None:
+                log(f"{run.name}: in use, skipped ({why})")
+                states[run.name] = IN_USE
+                continue
             worked += 1
             started = time.perf_counter()
             execution = execution_overrides(engine, workers)
+            ran = True  # False: another process took the run between the check above and this one's start
             if state == "checkpointed":
                 done = checkpoint_round(run_dir) or 0
                 log(f"{run.name}: resuming from round {done} on {engine}")
                 try:
                     continue_run(plan_continuation(run_dir, overrides=execution))
+                except RunFolderTaken as taken:
+                    ran = False
+                    log(f"{run.name}: in use, skipped ({taken.reason})")
                 finally:
-                    record_attempt(run_dir, engine, time.perf_counter() - started, done)
+                    if ran:
+                        record_attempt(run_dir, engine, time.perf_counter() - started, done)
             else:
-                if run_dir.exists():
+                existed = run_dir.exists()
+                if existed:
                     log(f"{run.name}: set aside {set_aside(run_dir).name} (stopped before its first checkpoint)")
                 branch = run.branch
                 done = (checkpoint_round(branch.source) or 0) if branch else 0
@@ -271,9 +294,18 @@ def advance(
                         run_experiment(with_engine(run.config, engine, workers), run_dir)
                     else:
                         continue_run(plan_continuation(branch.source, out=run_dir, overrides=[*branch.overrides, *execution]))
+                except RunFolderTaken as taken:
+                    if existed or not run_dir.is_dir():
+                        raise  # not a race: the folder was there before this start, or never made
+                    ran = False  # another table command claimed the new folder first: its run
+                    log(f"{run.name}: in use, skipped ({taken.reason})")
                 finally:
-                    if run_dir.is_dir():
+                    if ran and run_dir.is_dir():
                         record_attempt(run_dir, engine, time.perf_counter() - started, done)
+            if not ran:
+                worked -= 1  # not this command's work
+                states[run.name] = IN_USE
+                continue
             states[run.name] = run_state(run_dir)
             log(f"{run.name}: {states[run.name]} ({time.perf_counter() - started:.0f} s)")
             if states[run.name] == "finished":
@@ -330,5 +362,7 @@ def main_loop(runs: Sequence[TableRun], args: Any, table: str, default_results: 
         print(f"error: {stale}", file=sys.stderr)
         return 2
     done = sum(state in ("finished", "kept") for state in states.values())
-    print(f"{done} of {len(runs)} runs finished; runs in {runs_root}, page in {results_dir}")
+    elsewhere = sum(state == IN_USE for state in states.values())
+    print(f"{done} of {len(runs)} runs finished{f', {elsewhere} running in another process' if elsewhere else ''}; "
+          f"runs in {runs_root}, page in {results_dir}")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ from fedcluster_flwr.results.run_files import read_rounds
 from fedcluster_flwr.runner import run_experiment
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import tables  # noqa: E402
 from tables import TableRun, advance, run_state, with_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each run is an engine process of its own, as the table commands run them
@@ -75,6 +77,83 @@ def test_a_folder_stopped_before_its_first_checkpoint_is_set_aside_not_lost(tmp_
     assert states == {runs[0].name: "finished"}
     assert (root / f"{runs[0].name}.incomplete-1" / "rounds.jsonl").is_file()
 
+
+
+def hold_in_another_process(folder, claim: bool = False) -> subprocess.Popen:
+    """Another process that holds ``folder`` as a run or resume does (``holding``), or with ``claim``
+    only claims it, as a run that is still loading its data has; it lets go when killed."""
+    take = ("from fedcluster_flwr.results.recorder import claim_run_dir as take; take(folder); hold = None"
+            if claim else "from fedcluster_flwr.results.recorder import holding; hold = holding(folder); hold.__enter__()")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (f"import sys, time; from pathlib import Path; folder = Path(sys.argv[1]); {take}; "
+                                "print('taken', flush=True); time.sleep(120)"), str(folder)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    assert holder.stdout.readline().strip() == "taken"
+    return holder
+
+
+def test_a_run_another_process_runs_or_starts_is_left_to_it(tmp_path):
+    """Two table commands may share a queue: a run whose folder another process holds (running or
+    resuming it) or has claimed and not yet checkpointed (starting it) is skipped, neither resumed,
+    set aside nor recorded, and the next run goes on; once the other lets go, it is continued."""
+    runs, root, results = tiny_runs(), tmp_path / "runs", tmp_path / "results"
+    run_experiment(runs[0].config, root / runs[0].name, stop_after=1)
+    running = hold_in_another_process(root / runs[0].name)
+    starting = hold_in_another_process(root / runs[1].name, claim=True)
+    try:
+        listed = [tables.listed_state(run, root, results) for run in runs]
+        assert listed == ["in use", "in use", "new"]
+        before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        log: list[str] = []
+        states = advance(runs, runs_root=root, results_dir=results, engine="inprocess", log=log.append)
+        assert states == {runs[0].name: "in use", runs[1].name: "in use", runs[2].name: "finished"}
+        assert log[0] == f"{runs[0].name}: in use, skipped (another process is running it)"
+        assert log[1].startswith(f"{runs[1].name}: in use, skipped (pid {starting.pid} claimed it at ")
+        assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and runs[2].name not in p.parts} == before
+        assert sorted(p.name for p in root.iterdir()) == sorted(r.name for r in runs)  # nothing set aside
+    finally:
+        for holder in (running, starting):
+            holder.kill()
+            holder.wait()
+    log.clear()
+    states = advance(runs, runs_root=root, results_dir=results, engine="inprocess", log=log.append)
+    assert states == {run.name: "finished" for run in runs}
+    assert f"{runs[0].name}: resuming from round 1 on inprocess" in log
+    assert any(line.startswith(f"{runs[1].name}: set aside {runs[1].name}.incomplete-1") for line in log)  # its claimant died
+
+
+TWO_COMMANDS = """
+import json, sys
+sys.path[:0] = [sys.argv[1] + "/benchmarks", sys.argv[1] + "/tests"]
+from pathlib import Path
+from tables import advance
+from test_tables import tiny_runs
+log = []
+states = advance(tiny_runs(), runs_root=Path(sys.argv[2]), results_dir=Path(sys.argv[3]), engine="inprocess",
+                 log=log.append)
+print(json.dumps({"states": states, "log": log}))
+"""
+
+
+def test_two_table_commands_on_one_queue_run_each_run_once(tmp_path):
+    """Two table commands started together on the same runs: every run finishes, started by one of
+    them only (one attempt in its machine.json), nothing is set aside, and each skips what the
+    other runs."""
+    runs, root, results = tiny_runs(), tmp_path / "runs", tmp_path / "results"
+    commands = [subprocess.Popen([sys.executable, "-c", TWO_COMMANDS, str(ROOT), str(root), str(results)],
+                                 stdout=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
+    outputs = [json.loads(command.communicate(timeout=600)[0].strip().splitlines()[-1]) for command in commands]
+    assert all(command.returncode == 0 for command in commands)
+    assert sorted(p.name for p in root.iterdir()) == sorted(r.name for r in runs)
+    for run in runs:
+        assert run_state(root / run.name) == "finished"
+        assert len(json.loads((root / run.name / "machine.json").read_text())["attempts"]) == 1
+        started = [out for out in outputs if f"{run.name}: starting on inprocess" in out["log"]]
+        finished_here = [out for out in outputs if f"{run.name}: starting on inprocess" in out["log"]
+                         and out["states"][run.name] == "finished"]
+        assert len(finished_here) == 1, (run.name, outputs)
+        assert len(started) in (1, 2)  # a second start is a lost claim race: skipped, not run
 
 
 def test_a_run_started_on_the_batched_engine_resumes_on_another(tmp_path):

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .checkpoints import write_checkpoint
+from .checkpoints import checkpoint_round, write_checkpoint
 from .files import atomic_write, written_aside
 from ..plots import plot_rounds
 from .run_files import RoundRow, read_rounds, run_folder_entries
@@ -159,6 +159,30 @@ def holding(run_dir: Path, key: str = "") -> Iterator[None]:
             _HELD.discard(folder)
     finally:
         os.close(fd)
+
+
+def in_use_elsewhere(run_dir: Path) -> str | None:
+    """Whether another process runs the run in ``run_dir`` or is starting it: why (for a log line),
+    or None. In use: another process holds the folder (:func:`holding`), or the folder has no
+    checkpoint yet and its claim names a live process on this host other than this one (a run
+    starting: claimed, loading its data, not yet held). Nothing is written or kept held, so a
+    caller that goes on must still take the folder (its ``holding`` or claim decides a race).
+    A claim from another host cannot be checked and does not count."""
+    folder = Path(run_dir)
+    if not folder.is_dir() or folder.resolve() in _HELD:
+        return None
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "another process is running it"
+    finally:
+        os.close(fd)  # closing the descriptor drops a lock taken just now
+    who = _claimant(folder)
+    if (checkpoint_round(folder) is None and who.get("host") == socket.gethostname()
+            and isinstance(who.get("pid"), int) and who["pid"] != os.getpid() and _alive(who["pid"])):
+        return f"pid {who['pid']} claimed it at {who.get('started')} and is starting it"
+    return None
 
 
 def check_run_dir_free(run_dir: Path, key: str = "") -> None:
