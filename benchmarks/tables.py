@@ -53,6 +53,7 @@ from fedcluster_flwr.config.load import (
 )
 from fedcluster_flwr.config.sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
+from fedcluster_flwr.results.files import atomic_write, written_aside
 from fedcluster_flwr.results.recorder import RunFolderTaken, in_use_elsewhere
 from fedcluster_flwr.results.run_files import DamagedRunError, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
@@ -208,16 +209,19 @@ def record_attempt(run_dir: Path, engine: str, seconds: float, resumed_from: int
     """Append this attempt to ``machine.json`` (a run resumed elsewhere has several)."""
     attempts = recorded_attempts(run_dir)
     attempts.append(machine_description(engine) | {"seconds": round(seconds, 1), "resumed_from_round": resumed_from})
-    (run_dir / "machine.json").write_text(json.dumps({"attempts": attempts}, indent=1) + "\n")
+    atomic_write(run_dir / "machine.json", json.dumps({"attempts": attempts}, indent=1) + "\n")
 
 
 def keep_small_files(run_dir: Path, results_dir: Path) -> Path:
-    """Copy a finished run's small files into ``results_dir/<run>/`` (the repository's copy)."""
+    """Copy a finished run's small files into ``results_dir/<run>/`` (the repository's copy), each
+    whole at once: another table command may be reading them for its page meanwhile."""
     target = results_dir / run_dir.name
     target.mkdir(parents=True, exist_ok=True)
     for name in SMALL_FILES:
         if (run_dir / name).is_file():
-            shutil.copy2(run_dir / name, target / name)
+            with (run_dir / name).open("rb") as source, written_aside(target / name, "wb") as copy:
+                shutil.copyfileobj(source, copy)
+            shutil.copystat(run_dir / name, target / name)
     return target
 
 

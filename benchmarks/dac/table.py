@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster_flwr.config.load import load_config, parse_override
+from fedcluster_flwr.results.files import atomic_write
 from fedcluster_flwr.results.run_files import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
@@ -213,7 +214,7 @@ def render(results_dir: Path) -> None:
                   "|---|---|---|" + "---|" * (len(names) + 5)]
         for method in methods:
             lines += method_rows(results_dir, setting, method, len(names)) + paper_row(setting, method)
-    (results_dir / "README.md").write_text("\n".join(lines) + "\n")
+    atomic_write(results_dir / "README.md", "\n".join(lines) + "\n")  # another table command may render too
 
 
 def main() -> int:

@@ -56,6 +56,7 @@ from fedcluster_flwr.clustering import cluster_scores, pairwise_distances  # noq
 from fedcluster_flwr.config.load import config_differences, config_to_dict, load_config, parse_override  # noqa: E402
 from fedcluster_flwr.config.sections import ExperimentConfig  # noqa: E402
 from fedcluster_flwr.declarations.schema import ConfigError  # noqa: E402
+from fedcluster_flwr.results.files import atomic_write  # noqa: E402
 from fedcluster_flwr.results.run_files import read_rounds  # noqa: E402
 from fedcluster_flwr.runner import Interrupted, plan_continuation, run_experiment  # noqa: E402
 
@@ -271,8 +272,8 @@ def render(results_dir: Path, runs: list[TableRun], config: ExperimentConfig) ->
     )
     table = markdown(rows, at, config.rounds, config.target_accuracy)
     thresholds = results_dir / "thresholds.json"
-    (results_dir / "sweep.md").write_text(table + "\n" + note + "\n")
-    (results_dir / "sweep.json").write_text(json.dumps(
+    atomic_write(results_dir / "sweep.md", table + "\n" + note + "\n")  # another sweep command may render too
+    atomic_write(results_dir / "sweep.json", json.dumps(
         {"rows": rows, "thresholds": json.loads(thresholds.read_text()) if thresholds.is_file() else None}, indent=2) + "\n")
     print(table + "\n" + note, flush=True)
 

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcluster_flwr.config.load import load_config
+from fedcluster_flwr.results.files import atomic_write
 from fedcluster_flwr.results.run_files import read_rounds, read_summary
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation
 
@@ -270,7 +271,7 @@ def render_paper_table(results_dir: Path, runs: list[TableRun], rounds: int, com
         f"the k of n seeds that reached the target within {rounds} iterations; `final` is iteration {rounds}.\n\n"
     )
     if not results:
-        (results_dir / "results.md").write_text(text + "No run has finished yet.\n")
+        atomic_write(results_dir / "results.md", text + "No run has finished yet.\n")
         return text
     text += table(results, rounds, PAPER_PURITY_ROUNDS, {m: list(done[m]) for m in results})
     text += "\n\nWall time and engine per run (every attempt of a run added up; `s per run` above is the "
@@ -286,7 +287,7 @@ def render_paper_table(results_dir: Path, runs: list[TableRun], rounds: int, com
             text += f"\nPer seed, against IFCA (λ = 0) on the same seed. {PAPER_CLAIM}.\n\n"
             text += per_seed_comparison({m: [done[m][s] for s in common_seeds] for m in results},
                                         common_seeds, reference) + "\n"
-    (results_dir / "results.md").write_text(text)
+    atomic_write(results_dir / "results.md", text)  # another table command may render too
     plot_purity(results, results_dir / "purity.png", f"{conf} (paper's algorithm, {rounds} it.)", PAPER_CLAIM)
     return text
 
