@@ -240,8 +240,9 @@ def advance(
 ) -> dict[str, str]:
     """Run, resume or skip each of ``runs`` in order (see the module docstring); return each run's
     state afterwards (``in use``: another process was running or starting it). ``max_runs`` stops
-    after that many runs were started or resumed (a stretch of work); ``only`` restricts to those names; ``reuse_kept`` skips a run whose finished copy is in
-    ``results_dir`` though its folder is gone. Raises :class:`Interrupted` on a stop signal, after
+    after that many runs were started or resumed (a stretch of work); ``only`` restricts to those
+    names; ``reuse_kept`` skips a run whose finished copy is in ``results_dir`` though its folder is
+    gone. Raises :class:`Interrupted` on a stop signal, after
     the page is written from what finished."""
     names = [run.name for run in runs]
     if len(set(names)) != len(names):

@@ -179,8 +179,7 @@ def in_use_elsewhere(run_dir: Path) -> str | None:
     finally:
         os.close(fd)  # closing the descriptor drops a lock taken just now
     who = _claimant(folder)
-    if (checkpoint_round(folder) is None and who.get("host") == socket.gethostname()
-            and isinstance(who.get("pid"), int) and who["pid"] != os.getpid() and _alive(who["pid"])):
+    if checkpoint_round(folder) is None and who.get("pid") != os.getpid() and _claimant_alive(who):
         return f"pid {who['pid']} claimed it at {who.get('started')} and is starting it"
     return None
 
@@ -204,11 +203,19 @@ def _holds_run_files(run_dir: Path) -> bool:
 def _taken_message(run_dir: Path) -> str:
     who = _claimant(run_dir)
     by = f" (pid {who['pid']} on {who.get('host')}, since {who.get('started')})" if "pid" in who else ""
-    if who.get("host") == socket.gethostname() and isinstance(who.get("pid"), int) and not _alive(who["pid"]):
+    if _claimant_alive(who) is False:
         return (f"was claimed by a run{by} that has ended without writing anything else (stopped while starting); "
                 f"give a new directory, or delete {run_dir / CLAIM_FILE} to use this one")
     return (f"claimed by another run{by}; give a new directory (a folder holds one run: of two runs started "
             "with one output folder, the first to claim it runs)")
+
+
+def _claimant_alive(who: Mapping[str, Any]) -> bool | None:
+    """Whether the process of a claim (:func:`_claimant`) still runs; None where that cannot be told
+    (a claim from another host, or without a pid)."""
+    if who.get("host") != socket.gethostname() or not isinstance(who.get("pid"), int):
+        return None
+    return _alive(who["pid"])
 
 
 def _alive(pid: int) -> bool:
