@@ -53,7 +53,9 @@ from fedcluster_flwr.config.load import (
 )
 from fedcluster_flwr.config.sections import ExperimentConfig
 from fedcluster_flwr.runner import Interrupted, continue_run, plan_continuation, run_experiment
+from fedcluster_flwr.numerics import cpu_identity
 from fedcluster_flwr.results.files import atomic_write, written_aside
+from fedcluster_flwr.results.provenance import code_version
 from fedcluster_flwr.results.recorder import RunFolderTaken, in_use_elsewhere
 from fedcluster_flwr.results.run_files import DamagedRunError, read_summary
 from fedcluster_flwr.declarations.schema import ConfigError
@@ -140,14 +142,17 @@ def listed_state(run: TableRun, runs_root: Path, results_dir: Path) -> str:
 
 
 def machine_description(engine: str) -> dict[str, Any]:
-    """What ran a run: engine, host, processor and core count, torch and its device."""
+    """What ran a stretch of a run: engine, host, processor, CPU model and core count, torch and its
+    device, and the code (``results.provenance.code_version``: a run resumed after a pull names both)."""
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {
         "engine": engine,
+        "code": code_version(),
         "host": platform.node(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_identity()[1],
         "cpu_count": os.cpu_count(),
         "device": device,
         "torch": torch.__version__,

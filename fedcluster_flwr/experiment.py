@@ -35,6 +35,7 @@ from .data.sources import dataset_pool
 from .models import build_model, parameter_names
 from .numerics import client_device, configure_torch, numeric_platform, use_configured_numerics
 from .plots import run_title, strategy_phase_words
+from .results.provenance import software
 from .results.recorder import RunRecorder
 from .results.round_log import RoundLog
 from .results.run_files import RoundRow
@@ -192,7 +193,7 @@ class Experiment:
             recorder.start(resolved)
         round_log = RoundLog(
             recorder, setup.true_clusters, config.target_accuracy, config.rounds, config.checkpoint_every,
-            stop_round=stop_after, numeric_platform=numeric_platform(), title=run_title(config),
+            stop_round=stop_after, numeric_platform=numeric_platform(), software=software(), title=run_title(config),
             majority_accuracy=self.majority_accuracy(),
         )
         strategy.connect(Federation(join_round=config.simulation.join_round, timeout_s=config.simulation.round_timeout_s),

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-import fedcluster_flwr
 from fedcluster_flwr.clustering import UpdateMatrix, cluster_condensed, cluster_scores, pairwise_distances
 from fedcluster_flwr.numerics import cpu_identity
+from fedcluster_flwr.results.provenance import code_version
 
 HERE = Path(__file__).resolve().parent
 DIM = 1_663_370  # cnn_briggs on MNIST
@@ -75,17 +75,6 @@ def reset_peak() -> bool:
         return True
     except OSError:
         return False
-
-
-def code_version() -> str:
-    """The commit of the imported fedcluster_flwr's checkout, with ``+changes`` when the package differs from it."""
-    package = Path(fedcluster_flwr.__file__).resolve().parent
-
-    def git(*command: str) -> str:
-        return subprocess.run(["git", *command], cwd=package, capture_output=True, text=True).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+changes" if git("status", "--porcelain", "--", ".") else "")
 
 
 def run_case(args: argparse.Namespace) -> dict:

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedcluster_flwr.engines.stacked import ClientBatchData, train_stacked  # noqa: E402
 from fedcluster_flwr.models import MODELS, build_model  # noqa: E402
+from fedcluster_flwr.numerics import cpu_identity  # noqa: E402
 from fedcluster_flwr.training import TrainSettings, train  # noqa: E402
 
 # model -> (input shape, batch size of the conf that uses it, optimizer)
@@ -95,13 +96,6 @@ def time_models(clients: int, samples: int, repeat: int) -> list[dict]:
     return rows
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[str], log: Path,
                 vs: Path | None = None, repeat: int = 1) -> list[dict]:
     """Each (conf, engine) as a fresh ``fedcluster run`` (with ``vs``: then the same from that checkout,
@@ -124,7 +118,7 @@ def time_rounds(confs: list[str], engines: list[str], rounds: int, extra: list[s
 
 def time_one_run(conf: str, engine: str, rounds: int, extra: list[str], root: Path) -> dict:
     """One ``fedcluster run`` of the checkout at ``root`` (its package and its conf), timed from outside."""
-    row: dict = {"conf": conf, "engine": engine, "rounds": rounds, "cpu": cpu_model(), "load_before": os.getloadavg()[0]}
+    row: dict = {"conf": conf, "engine": engine, "rounds": rounds, "cpu": cpu_identity()[1], "load_before": os.getloadavg()[0]}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run"

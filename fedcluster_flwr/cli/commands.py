@@ -32,6 +32,7 @@ from ..config.sections import ExperimentConfig
 from ..config.cost import estimate_cost
 from ..data import DataError
 from ..results.files import atomic_write
+from ..results.provenance import package_version
 from ..plots import plot_comparison
 from ..results.recorder import run_dir_name
 from ..results.run_files import RoundRow, format_summary, read_summary, run_curves
@@ -235,16 +236,6 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
     first = manifest["clients"][0]
     print(f"  e.g. flower-supernode ... --node-config \"{first['node_config']}\"")
     return 0
-
-
-def package_version() -> str:
-    """The installed distribution's version: pyproject.toml's ``version``, the one place it is written."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fedcluster-flwr")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed: pip install -e .)"
 
 
 def _strategy_names() -> str:

@@ -56,6 +56,7 @@ class RoundLog:
         checkpoint_every: int,
         stop_round: int | None = None,
         numeric_platform: Mapping[str, str] | None = None,
+        software: Mapping[str, str] | None = None,
         title: str = "",
         majority_accuracy: Mapping[int, float] | None = None,
     ) -> None:
@@ -65,6 +66,7 @@ class RoundLog:
         self.majority_accuracy = dict(majority_accuracy or {})
         self.title = title
         self.numeric_platform = dict(numeric_platform or {})
+        self.software = dict(software or {})  # the code that computed the numbers (results.provenance)
         self.stop_round = stop_round
         self.experiment_true_clusters = true_clusters
         self.true_clusters = true_clusters  # the experiment's, with what devices on their own data reported
@@ -182,6 +184,7 @@ class RoundLog:
             "bytes_by_phase": self.totals_by_phase,
             "wall_seconds": self.wall_seconds(),
             "numeric_platform": self.numeric_platform,
+            "software": self.software,
         }
 
     def clients_no_better_than_majority(self) -> list[int]:
