@@ -20,7 +20,7 @@ from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.engines import batched as batched_module
 from fedcluster_flwr.engines.batched import Rendezvous, Request
-from fedcluster_flwr.engines.stacked import ClientBatchData, evaluate_stacked, train_stacked
+from fedcluster_flwr.engines.stacked import ClientBatchData, evaluate_stacked, evaluation_sums, stack_parameters, train_stacked
 from fedcluster_flwr.apps.server_app import run_in_process
 from fedcluster_flwr.models import build_model
 from fedcluster_flwr.declarations.schema import ConfigError
@@ -107,6 +107,42 @@ def test_stacked_evaluation_is_each_clients_own_evaluation_padding_left_out():
     got = evaluate_stacked(models, data, torch.device("cpu"))
     expected = [evaluate(m, d.x, d.y, torch.device("cpu")) if len(d.y) else (0.0, 0.0) for m, d in zip(models, data)]
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["cnn_zec_fmnist", "mlp_fmnist"])
+def test_stacked_evaluation_in_groups_of_clients_is_one_pass_bit_for_bit(name, monkeypatch):
+    """On a CPU a slice's clients go through in groups (cache-sized passes): each client's samples
+    are cut into the same slices and summed in the same order, so its loss sum and correct count are
+    the same bits as in one pass over all clients (unequal clients and padding included)."""
+    from fedcluster_flwr.engines import stacked
+
+    torch.manual_seed(4)
+    models = [build_model(name, (1, 28, 28), 10) for _ in range(7)]
+    generator = torch.Generator().manual_seed(5)
+    data = [ClientBatchData(torch.randn(n, 1, 28, 28, generator=generator), torch.randint(0, 10, (n,), generator=generator))
+            for n in (9, 9, 5, 0, 12, 7, 9)]
+    params = stack_parameters(models, torch.device("cpu"))
+    monkeypatch.setattr(stacked, "EVALUATION_SAMPLES", 28)  # slices of 4 samples per client
+    sums = {}
+    for pass_samples in (1 << 62, 12, 4):  # one pass; groups of 4 and 3 clients; of 2, 3 and 2
+        monkeypatch.setattr(stacked, "CPU_PASS_SAMPLES", pass_samples)
+        sums[pass_samples] = evaluation_sums(models[0], params, data, torch.device("cpu"))
+    for grouped in (sums[12], sums[4]):
+        assert torch.equal(grouped[0], sums[1 << 62][0]) and torch.equal(grouped[1], sums[1 << 62][1])
+    assert sums[4][0][3] == 0 and sums[4][1][3] == 0  # the client without samples scores nothing
+
+
+@pytest.mark.parametrize("num_clients", [1, 2, 3, 5, 7, 100, 500])
+@pytest.mark.parametrize("step", [1, 8, 40, 600])
+def test_client_groups_cover_the_stack_in_order_and_never_leave_one_client_alone(num_clients, step):
+    from fedcluster_flwr.engines.stacked import CPU_PASS_SAMPLES, client_groups
+
+    groups = client_groups(num_clients, step, torch.device("cpu"))
+    assert [i for g in groups for i in range(num_clients)[g]] == list(range(num_clients))
+    sizes = [g.stop - g.start for g in groups]
+    assert len(groups) == 1 or min(sizes) >= 2
+    assert max(sizes) * step < 2 * max(CPU_PASS_SAMPLES, 2 * step)  # about CPU_PASS_SAMPLES per pass
+    assert client_groups(num_clients, step, torch.device("meta")) == [slice(0, num_clients)]  # an accelerator: one pass
 
 
 def test_rendezvous_runs_all_parked_requests_together_and_a_failing_client_fails_alone():

@@ -370,7 +370,23 @@ def train_stacked(
     return [float(v) for v in mean_losses.cpu().tolist()]
 
 
-EVALUATION_SAMPLES = 4096  # samples (over all clients of a stack) per forward pass of an evaluation
+EVALUATION_SAMPLES = 4096  # samples (over all clients of a stack) per slice of an evaluation: fixes each client's slices
+# On a CPU, about this many samples per forward pass: a slice's clients go through in groups, so the
+# activations stay cache-sized (benchmarks/engines/evaluation.py). A client's numbers keep their bits
+# (tests/test_engines.py): its samples are cut into the same slices and summed in the same order.
+CPU_PASS_SAMPLES = 128
+
+
+def client_groups(num_clients: int, step: int, device: torch.device) -> list[slice]:
+    """The consecutive groups of clients that go through a pass together: all of them, or on a CPU
+    ``num_clients // g`` nearly equal groups of at least ``g = max(2, CPU_PASS_SAMPLES // step)``
+    clients. Never a group of one among several: one model's convolution (``groups=1``) takes
+    another kernel than a stack's, whose bits differ under the portable numerics."""
+    if device.type != "cpu":
+        return [slice(0, num_clients)]
+    count = max(1, num_clients // max(2, CPU_PASS_SAMPLES // step))
+    bounds = [round(i * num_clients / count) for i in range(count + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 @torch.no_grad()
@@ -379,7 +395,10 @@ def evaluation_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each client's summed cross-entropy (float64) and number of correct predictions on its own
     samples, as device tensors ``[K]``: the clients' samples padded to the largest count, in slices
-    of at most :data:`EVALUATION_SAMPLES` samples over all clients (padding counts in neither)."""
+    of at most :data:`EVALUATION_SAMPLES` samples over all clients (padding counts in neither), on a
+    CPU a slice's clients in groups of about :data:`CPU_PASS_SAMPLES` samples per pass
+    (:func:`client_groups`). A pass never cuts a client's slice: a smaller batch changes the
+    kernels' blocking, hence the bits, of a client's logits; fewer clients per pass does not."""
     forward = stacked_forward(template)
     counts = [len(d.y) for d in data]
     longest = max(counts, default=0)
@@ -394,12 +413,14 @@ def evaluation_sums(
         x[k, : counts[k]], y[k, : counts[k]] = RESIDENT.on(d.x, device), RESIDENT.on(d.y, device)
     valid = (torch.arange(longest) < torch.tensor(counts)[:, None]).to(device)
     step = max(1, EVALUATION_SAMPLES // num_clients)
-    for start in range(0, longest, step):
-        xb, yb, vb = x[:, start : start + step], y[:, start : start + step], valid[:, start : start + step]
-        logits = forward(params, xb)
-        losses = nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none").view(yb.shape)
-        loss_sums += (losses.double() * vb).sum(dim=1)
-        correct += ((logits.argmax(dim=2) == yb) & vb).sum(dim=1)
+    for clients in client_groups(num_clients, step, device):
+        group_params = {name: tensor[clients] for name, tensor in params.items()}
+        for start in range(0, longest, step):
+            xb, yb, vb = x[clients, start : start + step], y[clients, start : start + step], valid[clients, start : start + step]
+            logits = forward(group_params, xb)
+            losses = nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none").view(yb.shape)
+            loss_sums[clients] += (losses.double() * vb).sum(dim=1)
+            correct[clients] += ((logits.argmax(dim=2) == yb) & vb).sum(dim=1)
     return loss_sums, correct
 
 
