@@ -25,3 +25,15 @@ def test_trajectory_matches_the_recorded_one(name, now):
     recorded = load_fixture()
     exact, mode = comparison_mode(recorded["platform"], now["platform"])
     assert_matches(name, now["trajectories"][name], recorded["trajectories"][name], exact, mode)
+
+
+def test_every_registered_strategy_has_a_recorded_trajectory():
+    """The cases follow the registry: a strategy shipped without a recorded trajectory fails here."""
+    from trajectories import CASE_STRATEGY
+
+    from fedcluster_flwr.registry import strategies
+
+    covered = {CASE_STRATEGY.get(case, case) for case in STRATEGIES}
+    missing = sorted(set(strategies()) - covered)
+    assert not missing, f"no trajectory case for {missing}: add one to tests/trajectories.py, record it with --only"
+    assert set(load_fixture()["trajectories"]) == set(STRATEGIES)
