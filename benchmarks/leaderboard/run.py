@@ -30,30 +30,34 @@ rotation and class subsets; a mis-specification for label groups (3) and patholo
 set per client), as it would be for a user who does not know the structure). Clustering methods
 that cluster by a threshold instead (CFL's eps) use their defaults.
 
-Output (``--out``, default ``results/<scale>``): ``leaderboard.md`` (mean client accuracy after the
-last round and ARI of the final clustering against the true clusters, mean ± std over seeds; the wall
-time per cell), ``accuracy.png`` / ``ari.png`` (methods x shifts heat maps) and one run directory per
-cell under ``runs/<shift>/<method>_seed<k>/`` (a finished cell is reused: the script resumes where it
-stopped). Cells run in-process by default (one process, one torch thread: the Ray engine's rounds
-bit for bit, without its per-round cost); ``--verify`` checks that claim on one cell.
+Output (``--out``, default ``results/<scale>``): one run directory per cell under
+``runs/<shift>/<method>_seed<k>/`` (a finished cell is reused: the script resumes where it stopped;
+not committed), ``cells.jsonl`` (each finished cell's numbers, one line a cell: what the table is
+computed from, committed), ``leaderboard.md`` (mean client accuracy after the last round and ARI of
+the final clustering against the true clusters, mean ± sample std over seeds; a personal-model
+method's global model; the time per cell) and ``accuracy.png`` / ``ari.png`` (methods x shifts heat
+maps). ``cells.jsonl`` gains or replaces the line of every cell finished in ``runs/`` and keeps the
+others, so ``--table-only`` on a clean checkout renders the committed table from it. Cells run
+in-process by default (one process, one torch thread: the Ray engine's rounds bit for bit, without
+its per-round cost); ``--verify`` checks that claim on one cell.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedcluster_flwr.config.load import build_config
-from fedcluster_flwr.results.run_files import read_rounds
 from fedcluster_flwr.registry import strategies
+from fedcluster_flwr.results.run_files import read_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import ENGINES, finished_summary, mean_std, run_or_reuse  # noqa: E402
+from common import ENGINES, finished_summary, mean_std, run_or_reuse
 
 NUM_CLUSTERS = 4  # given to every method that takes a number of clusters (see the module docstring)
 
@@ -101,7 +105,7 @@ METHODS: dict[str, dict[str, Any]] = {
 NO_CLUSTERING = ("fedavg", "fedprox", "ditto", "local", "oracle")
 
 SCALES: dict[str, dict[str, Any]] = {
-    # ≤ 60 min on 2 CPU cores for all 13 methods x 5 shifts x 3 seeds.
+    # about an hour on 2 CPU cores for all 15 methods x 5 shifts x 3 seeds.
     "reduced": {"num_clients": 20, "samples_per_client": 500, "rounds": 30, "model": "mlp_fmnist"},
     # Briggs et al.'s scale: 100 clients x 600 samples, 50 rounds, a CNN (a GPU's job).
     "full": {"num_clients": 100, "samples_per_client": 600, "rounds": 50, "model": "cnn_32_64_fc128"},
@@ -188,56 +192,115 @@ def heat_map(values: np.ndarray, methods: list[str], shifts: list[str], title: s
     plt.close(fig)
 
 
-def report(out: Path, scale: str, methods: list[str], shifts: list[str], seeds: list[int], command: str,
-           minutes: float | None) -> str:
-    """leaderboard.md and the heat maps from the finished cells (a missing cell is shown as such)."""
-    summaries = {(s, m): [finished_summary(run_dir_of(out, s, m, k)) for k in seeds] for s in shifts for m in methods}
-    seconds = {
-        cell: [sum(r["seconds"] for r in read_rounds(run_dir_of(out, *cell, k))) for k, x in zip(seeds, runs) if x]
-        for cell, runs in summaries.items()
-    }
+# What cells.jsonl keeps of a finished cell's summary: what the tables show, and what lets a reader
+# check them (each client's accuracy, the clustering, failures, which code made it).
+CELL_KEYS = ("mean_client_accuracy", "mean_global_model_accuracy", "ari", "nmi", "purity", "num_clusters",
+             "per_true_cluster_accuracy", "client_accuracy", "assignment", "fit_failures", "wall_seconds", "software")
 
-    def values(key: str, cell: tuple[str, str]) -> list[float | None]:
-        return [x.get(key) if x else None for x in summaries[cell]]
 
-    def table(key: str, skip: tuple[str, ...] = ()) -> list[str]:
+def cell_row(run_dir: Path, shift: str, method: str, seed: int) -> dict[str, Any] | None:
+    """The line of ``cells.jsonl`` for the cell run in ``run_dir``; None if it has not finished. ``seconds``
+    is the rounds' own time (``rounds.jsonl``), without start-up."""
+    summary = finished_summary(run_dir)
+    if summary is None:
+        return None
+    row: dict[str, Any] = {"shift": shift, "method": method, "seed": seed}
+    row |= {key: summary[key] for key in CELL_KEYS if key in summary}
+    row["cpu_model"] = summary.get("numeric_platform", {}).get("cpu_model")
+    row["seconds"] = sum(r["seconds"] for r in read_rounds(run_dir))
+    return row
+
+
+def collect_cells(out: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """Every finished cell, by (shift, method, seed): the lines of ``out/cells.jsonl``, joined or replaced
+    by the cells finished under ``out/runs``; written back (a new file, then renamed), so a cell's
+    numbers outlive its run directory and a rerun of a cell replaces its line."""
+    cells_file = out / "cells.jsonl"
+    cells: dict[tuple[str, str, int], dict[str, Any]] = {}
+    if cells_file.is_file():
+        for number, line in enumerate(cells_file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                cells[(row["shift"], row["method"], int(row["seed"]))] = row
+            except (ValueError, KeyError, TypeError) as err:
+                raise SystemExit(f"error: {cells_file}, line {number}: not a cell's line ({err}); "
+                                 "restore it from git or delete the line") from err
+    for summary_file in sorted((out / "runs").glob("*/*_seed*/summary.json")):
+        run_dir = summary_file.parent
+        method, _, seed = run_dir.name.rpartition("_seed")
+        if seed.isdigit() and (row := cell_row(run_dir, run_dir.parent.name, method, int(seed))) is not None:
+            cells[(row["shift"], row["method"], row["seed"])] = row
+    if cells:
+        partial = cells_file.with_name(cells_file.name + ".partial")
+        partial.write_text("".join(json.dumps(cells[key], sort_keys=True) + "\n" for key in sorted(cells)))
+        partial.replace(cells_file)
+    return cells
+
+
+def report(out: Path, scale: str, methods: list[str], shifts: list[str], seeds: list[int], command: str) -> str:
+    """leaderboard.md and the heat maps from the finished cells (:func:`collect_cells`; a missing cell is
+    shown as such). Mean ± the sample std over the seeds (ddof 1), as a paper reports its seeds' spread."""
+    cells = collect_cells(out)
+
+    def values(key: str, shift: str, method: str) -> list[Any]:
+        return [cells[(shift, method, k)].get(key) if (shift, method, k) in cells else None for k in seeds]
+
+    def table(key: str, rows: list[str], skip: tuple[str, ...] = ()) -> list[str]:
         lines = ["| method | " + " | ".join(shifts) + " |", "|---|" + "---|" * len(shifts)]
-        for m in methods:
-            cells = ["–" if m in skip else mean_std(values(key, (s, m))) for s in shifts]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        for m in rows:
+            entries = ["–" if m in skip else mean_std(values(key, s, m), ddof=1) for s in shifts]
+            lines.append(f"| {m} | " + " | ".join(entries) + " |")
         return lines
 
     def means(key: str, skip: tuple[str, ...] = ()) -> np.ndarray:
         grid = np.full((len(methods), len(shifts)), np.nan)
         for i, m in enumerate(methods):
             for j, s in enumerate(shifts):
-                present = [v for v in values(key, (s, m)) if v is not None]
+                present = [v for v in values(key, s, m) if v is not None]
                 if present and m not in skip:
                     grid[i, j] = np.mean(present)
         return grid
 
-    done = sum(x is not None for runs in summaries.values() for x in runs)
-    total = len(summaries) * len(seeds)
-    timing = f"{minutes:.0f} min for the cells not reused" if minutes is not None else "table rebuilt from finished cells"
+    shown = [cells[(s, m, k)] for s in shifts for m in methods for k in seeds if (s, m, k) in cells]
+    total = len(shifts) * len(methods) * len(seeds)
+    made_by = sorted({(row.get("software", {}).get("code", "unrecorded"), row.get("cpu_model") or "unrecorded")
+                      for row in shown})
+    minutes = sum(row["seconds"] for row in shown) / 60
+    personal = [m for m in methods if any(v is not None for s in shifts for v in values("mean_global_model_accuracy", s, m))]
     setting = SCALES[scale]
     lines = [
-        f"# Leaderboard, {scale} scale: Fashion-MNIST, {setting['num_clients']} clients x {setting['samples_per_client']} "
-        f"samples (80 % train), {setting['model']}, {setting['rounds']} rounds, seeds {','.join(map(str, seeds))}\n",
-        f"`{command}` ({timing}; {done}/{total} cells finished). Client training for every method: {CLIENT}. "
-        f"Methods that take a number of clusters are given {NUM_CLUSTERS}; every client trains every round. "
-        "Same partition and initial model per (shift, seed). Mean ± std over seeds.\n",
+        (f"# Leaderboard, {scale} scale: Fashion-MNIST, {setting['num_clients']} clients x {setting['samples_per_client']} "
+        f"samples (80 % train), {setting['model']}, {setting['rounds']} rounds, seeds {','.join(map(str, seeds))}\n"),
+        f"`{command}` ({len(shown)}/{total} cells finished; their rounds took {minutes:.0f} min in all). Client training "
+        f"for every method: {CLIENT}. Methods that take a number of clusters are given {NUM_CLUSTERS}; every client "
+        "trains every round. Same partition and initial model per (shift, seed). Mean ± sample std over seeds. "
+        "Made by code " + "; ".join(f"{code} on {cpu}" for code, cpu in made_by) + " (each cell's line in "
+        "`cells.jsonl`).\n",
         "## Mean client accuracy after the last round\n",
-        *table("mean_client_accuracy"),
+        *table("mean_client_accuracy", methods),
+    ]
+    if personal:
+        lines += [
+            "\n## The global model of the methods that keep personal models\n",
+            ("(their row above scores each client's personal model; here the one global model the server "
+            "sends, on the same clients' test data, after the last round)\n"),
+            *table("mean_global_model_accuracy", personal),
+        ]
+    lines += [
         "\n## ARI of the final clustering against the true clusters\n",
-        "(`–`: the method's clusters are fixed by construction: one for fedavg, one per client for local, the true "
-        "ones for oracle. For gossip methods (dac, pens, random_gossip), the clustering of their similarity matrix.)\n",
-        *table("ari", NO_CLUSTERING),
-        "\n## Wall time per cell (s, mean over seeds, the rounds' own time)\n",
+        ("(`–`: the method's clusters are fixed by construction: one for fedavg, fedprox and ditto, one per client "
+        "for local, the true ones for oracle. For gossip methods (dac, pens, random_gossip), the clustering of their "
+        "similarity matrix.)\n"),
+        *table("ari", methods, NO_CLUSTERING),
+        "\n## Time per cell (s, mean over seeds, the rounds' own time)\n",
         "| method | " + " | ".join(shifts) + " |",
         "|---|" + "---|" * len(shifts),
     ]
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(f"{np.mean(seconds[(s, m)]):.1f}" if seconds[(s, m)] else "–" for s in shifts) + " |")
+        times = {s: [v for v in values("seconds", s, m) if v is not None] for s in shifts}
+        lines.append(f"| {m} | " + " | ".join(f"{np.mean(times[s]):.1f}" if times[s] else "–" for s in shifts) + " |")
     heat_map(means("mean_client_accuracy"), methods, shifts, "mean client accuracy", out / "accuracy.png",
              "mean client accuracy, mean over seeds")
     heat_map(means("ari", NO_CLUSTERING), methods, shifts, "ARI against the true clusters", out / "ari.png",
@@ -282,15 +345,12 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     command = (f"python benchmarks/leaderboard/run.py --scale {args.scale} --methods {','.join(methods)} "
                f"--shifts {','.join(shifts)} --seeds {args.seeds}" + "".join(f" --set {item}" for item in args.set))
-    minutes = None
     if not args.table_only:
-        started = time.perf_counter()
         for seed in seeds:  # seed-major: a partial run still covers every cell once
             for shift in shifts:
                 for method in methods:
                     run_cell(out, args.scale, shift, method, seed, args.engine, extra)
-        minutes = (time.perf_counter() - started) / 60
-    print(report(out, args.scale, methods, shifts, seeds, command, minutes))
+    print(report(out, args.scale, methods, shifts, seeds, command))
 
 
 if __name__ == "__main__":
