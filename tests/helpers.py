@@ -1,22 +1,25 @@
 """Helpers the test modules share (no test imports from another test module): run-file checks,
 a synthetic model, a grid of synthetic Flower nodes (:class:`SyntheticGrid`, our in-process grid
 over a ClientApp that answers as each test says), :func:`synthetic_round`, which plays one round of
-a strategy on it (the strategy's own ``play_round``), and CIFAR-10 files in the real format."""
+a strategy on it (the strategy's own ``play_round``), CIFAR-10 files in the real format, and
+:func:`load_benchmark`, a benchmark script imported as a module."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import yaml
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from conftest import DEFAULT_CONFIG
+from conftest import DEFAULT_CONFIG, ROOT
 from fedcluster_flwr import protocol
 from fedcluster_flwr.config.load import config_to_dict, load_config
 from fedcluster_flwr.protocol import ACCURACY, EVALUATE, IDENTIFY, METRICS, MODEL, MODELS, NUM_EXAMPLES, TEST_LOSS, Task
@@ -29,6 +32,16 @@ from fedcluster_flwr.algorithms.base.strategy import ClusteredStrategy
 from fedcluster_flwr.algorithms.base.messages import Instruction
 from fedcluster_flwr.algorithms.base.selection import SELECTED, SIMILARITY
 from fedcluster_flwr.types import NDArrays, Scalar
+
+
+def load_benchmark(script: str) -> ModuleType:
+    """``benchmarks/<script>`` (a script, not a package module) imported as a module of its own, so a
+    test can call its functions; e.g. ``load_benchmark("dac/table.py")``."""
+    path = ROOT / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location("benchmark_" + script.removesuffix(".py").replace("/", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def rows_without_timing(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

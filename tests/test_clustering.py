@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 from pathlib import Path
@@ -16,6 +15,7 @@ from scipy.spatial.distance import pdist, squareform
 from fedcluster_flwr import clustering
 from fedcluster_flwr.clustering import DISTANCES, LINKAGES, UpdateMatrix, cluster_scores, hierarchical_clustering, pairwise_distances, purity, renumber, silhouette_cut
 from fedcluster_flwr.l1_kernel import add_l1_distances
+from helpers import load_benchmark
 
 VALID_PAIRS = [(d, link) for d, link in itertools.product(DISTANCES, LINKAGES) if link != "ward" or d == "l2"]
 
@@ -343,11 +343,7 @@ def test_purity_counts_majorities():
 
 def load_calibrate():
     """benchmarks/flhc/calibrate.py is a script, not a package module."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "flhc" / "calibrate.py"
-    spec = importlib.util.spec_from_file_location("calibrate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("flhc/calibrate.py")
 
 
 def test_calibration_interval_is_low_inclusive_high_exclusive():

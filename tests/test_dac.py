@@ -21,7 +21,7 @@ from fedcluster_flwr.algorithms.dac.strategy import (
 )
 from fedcluster_flwr.algorithms.baselines.strategy import LocalOnly, LocalOptions
 from fedcluster_flwr.algorithms.dac.tasks import GOSSIP_TRAIN, MERGE_LOWEST_KEY, SAMPLES_KEY, merge_neighbours_and_train
-from helpers import connect_test_run, Received, SyntheticClient, synthetic_grid, constant_model, synthetic_round, flat, make_setup, random_weights
+from helpers import load_benchmark, connect_test_run, Received, SyntheticClient, synthetic_grid, constant_model, synthetic_round, flat, make_setup, random_weights
 
 N = 8
 TRUE = np.array([0, 0, 0, 0, 0, 0, 1, 1])
@@ -550,13 +550,8 @@ def test_the_reference_check_report_reads_both_sides_records(tmp_path):
     means over the seeds, the 180° clients' own-cluster draws, and every run with its current models
     after the last exchange (a dead run shows at 10 %), from records in both sides' formats."""
     import argparse
-    import importlib.util
 
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("reference_check", ROOT / "benchmarks" / "dac" / "reference_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = load_benchmark("dac/reference_check.py")
     true = [0, 1, 2, 3]  # one client per cluster: 0°, 180°, 10°, 350°
     for seed, final_best, current in ((3, [0.8, 0.6, 0.7, 0.9], [0.7] * 4), (4, [0.6, 0.4, 0.5, 0.7], [0.1] * 4)):
         record = tmp_path / "ours" / "runs" / f"random_gossip_synchronous_seed{seed}" / "reference_check.jsonl"
@@ -591,13 +586,8 @@ def test_the_reference_check_keeps_one_variant_per_folder(tmp_path):
     """`reference_check.py --set` makes a variant of ours; its folder refuses runs of other settings,
     and a folder of runs made before variants were recorded refuses a variant."""
     import argparse
-    import importlib.util
 
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("reference_check", ROOT / "benchmarks" / "dac" / "reference_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = load_benchmark("dac/reference_check.py")
     variant = argparse.Namespace(out=tmp_path / "same_init", set=["strategy.same_init=true"])
     check.check_variant(variant)
     check.check_variant(variant)  # the same settings again: continues

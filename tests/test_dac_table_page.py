@@ -5,20 +5,18 @@ Nothing runs: the copies are written here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
 from conftest import ROOT
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("dac_table", ROOT / "benchmarks" / "dac" / "table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("dac/table.py")
     return module
 
 
@@ -116,9 +114,7 @@ def test_the_reduced_and_reference_pages_print_the_sample_std():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import mean_std
 
-    spec = importlib.util.spec_from_file_location("dac_reference_check", ROOT / "benchmarks" / "dac" / "reference_check.py")
-    reference_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reference_check)
+    reference_check = load_benchmark("dac/reference_check.py")
     # the reference page's every-run table: DAC, ours, synchronous, 180 degrees, seeds 0-2
     assert reference_check.mean_std([65.2, 67.4, 66.3]) == "66.3 ± 1.1"  # population std: 0.9, as the page printed
     assert reference_check.mean_std([65.2]) == "65.2"

@@ -4,22 +4,19 @@ run stays a row with its error."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import ROOT
+from helpers import load_benchmark
 
 RUN_PY = ROOT / "benchmarks" / "engines" / "run.py"
 
 
 def load_run_py():
-    spec = importlib.util.spec_from_file_location("engines_run", RUN_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("engines/run.py")
 
 
 def row(conf, engine, seconds, load=1.0):

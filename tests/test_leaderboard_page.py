@@ -5,7 +5,6 @@ are what the committed ``cells.jsonl`` gives. Nothing trains: the run folders ar
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,15 +15,14 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from helpers import load_benchmark
 
 RESULTS = ROOT / "benchmarks" / "leaderboard" / "results" / "reduced"
 
 
 @pytest.fixture(scope="module")
 def board():
-    spec = importlib.util.spec_from_file_location("leaderboard_run", ROOT / "benchmarks" / "leaderboard" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("leaderboard/run.py")
     return module
 
 

@@ -3,7 +3,6 @@ eigen-summary, the feature maps, and hierarchical training whose GPS touches onl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEFAULT_CONFIG, ROOT
+from conftest import DEFAULT_CONFIG
 from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.algorithms.oneshot.math import cluster_by_relevance, relevance_matrix, relevance_row, within_and_across
 from fedcluster_flwr.config.load import load_config, parse_override
@@ -38,7 +37,7 @@ from fedcluster_flwr.algorithms.oneshot.tasks import (
     relevance_to_every_client,
     top_gram_eigenpairs,
 )
-from helpers import configure, connect_test_run, pack_reply, Received, SyntheticClient, synthetic_grid, constant_model, synthetic_round, make_setup, write_cifar
+from helpers import load_benchmark, configure, connect_test_run, pack_reply, Received, SyntheticClient, synthetic_grid, constant_model, synthetic_round, make_setup, write_cifar
 
 # ---- relevance -------------------------------------------------------------------------------------
 
@@ -485,9 +484,7 @@ def test_both_relevance_rules_cluster_the_synthetic_clients(tmp_path):
 def test_the_benchmark_s_k_sweep_runs_on_the_conf_and_finds_its_tasks():
     """benchmarks/oneshot/run.py builds the relevance instruction itself (no Flower round); it broke
     once when the instruction gained a key (eigen_floor). Its k = 5 row is the README's."""
-    spec = importlib.util.spec_from_file_location("oneshot_run", ROOT / "benchmarks" / "oneshot" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("oneshot/run.py")
     sweep = module.clustering_vs_k(0, (1, 5))
     for rule in ("paper", "amiri"):
         assert sweep[rule][5]["ari"] == 1.0

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 from scipy.cluster.hierarchy import fcluster
 
-from conftest import ROOT
+from helpers import load_benchmark
 from fedcluster_flwr.cli import console
 from fedcluster_flwr.clustering import ClusteringRecord, hierarchical_clustering
 from fedcluster_flwr.plots import (
@@ -298,11 +298,7 @@ def test_a_1000_client_dendrogram_labels_one_leaf_in_k_and_says_so(drawn, tmp_pa
 
 
 def test_the_leaderboards_colour_bar_is_labelled_and_spans_the_data(drawn, tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("leaderboard_run", ROOT / "benchmarks" / "leaderboard" / "run.py")
-    leaderboard = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(leaderboard)
+    leaderboard = load_benchmark("leaderboard/run.py")
     values = np.array([[0.67, 0.70], [0.97, np.nan], [0.82, 0.85]])
     leaderboard.heat_map(values, ["fedavg", "local", "oracle"], ["label_swap", "rotation"], "mean client accuracy",
                          tmp_path / "accuracy.png", "mean client accuracy, mean over seeds")

@@ -5,7 +5,6 @@ page lists what finished."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import sys
 import pytest
 
 from conftest import DEFAULT_CONFIG, ROOT
+from helpers import load_benchmark
 from fedcluster_flwr.config.load import config_to_dict, load_config, parse_override
 from fedcluster_flwr.results.recorder import branch_run
 from fedcluster_flwr.results.run_files import read_rounds
@@ -171,9 +171,7 @@ def test_a_stopped_threshold_sweep_continues_its_base_and_its_branches(tmp_path,
     """FL+HC's sweep (benchmarks/flhc/sweep.py) is a table too: a base stopped before the clustering
     round continues from its checkpoint, a branch stopped after it was copied from the base resumes
     from there, the finished branch is not run again, and the page lists every run."""
-    spec = importlib.util.spec_from_file_location("flhc_sweep", ROOT / "benchmarks" / "flhc" / "sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_benchmark("flhc/sweep.py")
     root, results = tmp_path / "runs", tmp_path / "results"
     settings = ["rounds=4", "strategy.rounds_before_clustering=2", "partition.num_clients=8", "partition.num_groups=2",
                 "strategy.client_fraction=0.5"]
@@ -223,9 +221,7 @@ def test_a_stopped_threshold_sweep_continues_its_base_and_its_branches(tmp_path,
 def test_lins_table_extends_a_finished_batched_run_in_process(tmp_path):
     """benchmarks/multimodel/run.py continues a run that finished short of the table's rounds, on the
     engine asked for now: a run made on `batched` (its config names its workers) extends in-process."""
-    spec = importlib.util.spec_from_file_location("multimodel_run", ROOT / "benchmarks" / "multimodel" / "run.py")
-    multimodel = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(multimodel)
+    multimodel = load_benchmark("multimodel/run.py")
     run = tiny_runs()[0]
     run_dir = tmp_path / run.name
     run_experiment(with_engine(dataclasses.replace(run.config, rounds=1), "batched", 1), run_dir)
