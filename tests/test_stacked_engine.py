@@ -334,3 +334,22 @@ def test_every_kind_of_hook_keeps_a_model_off_the_stacked_step():
             "a global module hook is registered: models train one client at a time")
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize(("clients_", "workers", "fits", "sizes"), [
+    (100, 1, 10**6, [100]),        # the DAC table's one worker: one stack
+    (100, 2, 10**6, [50, 50]),
+    (13, 4, 10**6, [4, 3, 3, 3]),  # was [4, 4, 4, 1]: a client alone in its stack
+    (10, 3, 10**6, [4, 3, 3]),
+    (9, 1, 4, [3, 3, 3]),          # the memory budget fits 4 a stack
+    (100, 1, 30, [25, 25, 25, 25]),  # was [30, 30, 30, 10]
+    (5, 1, 1, [1, 1, 1, 1, 1]),
+])
+def test_stacks_are_cut_evenly_within_the_budget(clients_, workers, fits, sizes):
+    """Consecutive stacks in partition-id order, sizes one apart at most, none above what fits."""
+    group, data = models("mlp_fmnist", 1) * clients_, clients([8] * clients_)
+    requests = requests_for(group, data)
+    budget = fits * BatchPolicy.client_bytes(requests[0], 8)
+    chunks = BatchPolicy(stack_on_cpu=True, memory_bytes=budget, workers=workers).chunks(requests, 8)
+    assert [len(c) for c in chunks] == sizes
+    assert [r.pid for c in chunks for r in c] == list(range(clients_))

@@ -28,6 +28,7 @@ a client's own work (a request run alone, as on the in-process engine) can fail 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -220,18 +221,28 @@ class BatchPolicy:
 
     def chunks(self, requests: list[Request], longest: int) -> list[list[Request]]:
         """``requests`` cut into consecutive stacks: at least one per worker, each fitting the
-        memory budget (a rough but safe upper estimate of parameters, optimizer state and
-        activations per client), all stacks together within it."""
+        memory budget (:meth:`client_bytes`), all stacks together within it. The stacks' sizes
+        differ by one at most: the workers get even shares, and no client is left over alone in a
+        stack of its own (a one-group convolution runs another kernel, whose round-off differs:
+        ``benchmarks/engines/stack_split.py``)."""
         first = requests[0]
-        parameter_bytes = sum(p.numel() * p.element_size() for p in first.model.parameters())
-        samples = longest if first.kind == "evaluate" else first.settings.batch_size
-        sample_bytes = first.x[:1].numel() * first.x.element_size()
-        per_client = 5 * parameter_bytes + samples * sample_bytes * 64 + longest * sample_bytes
-        fits = max(1, int(self.memory_bytes // per_client))
+        fits = max(1, int(self.memory_bytes // self.client_bytes(first, longest)))
         if first.kind == "evaluate" and first.device.type == "cpu":
             fits = min(fits, CPU_EVALUATION_STACK)
         size = max(1, min(fits, -(-len(requests) // self.workers)))
-        return [requests[start : start + size] for start in range(0, len(requests), size)]
+        count = -(-len(requests) // size)
+        smaller, larger = divmod(len(requests), count)  # ``larger`` stacks of smaller + 1, the rest of smaller
+        ends = list(itertools.accumulate(smaller + (k < larger) for k in range(count)))
+        return [requests[end - (smaller + (k < larger)) : end] for k, end in enumerate(ends)]
+
+    @staticmethod
+    def client_bytes(request: Request, longest: int) -> int:
+        """A rough but safe upper estimate of one client's memory in a stack of ``request``'s kind:
+        parameters, optimizer state and activations; ``longest``: the stack's most samples a client."""
+        parameter_bytes = sum(p.numel() * p.element_size() for p in request.model.parameters())
+        samples = longest if request.kind == "evaluate" else request.settings.batch_size
+        sample_bytes = request.x[:1].numel() * request.x.element_size()
+        return 5 * parameter_bytes + samples * sample_bytes * 64 + longest * sample_bytes
 
     def _say_once(self, key: str, text: str) -> None:
         if key not in self.said:
