@@ -32,17 +32,19 @@ def test_the_device_script_dry_run_on_a_cpu(tmp_path: Path):
     # what comes back: a handful of files (the lease returns at most 8), the run folders stay in --work
     assert sorted(p.name for p in out.iterdir()) == ["agreement.json", "results.tar.gz", "tables.json", "timing.json"]
     report = json.loads((out / "tables.json").read_text())
-    # a DAC setting whose every run is committed has no step (the low-data one, since its 18 runs are)
-    dac_steps = [step for step in ("dac_table2", "dac_low") if step in report]
+    # a DAC setting whose every run is committed has no step (the low-data one and Table 2 at 500
+    # images, since their 18 runs each are); a step's tiny run comes back
+    dac_steps = [step for step in ("dac_table2", "dac_low", "dac_rot4") if step in report]
     assert all(report[step] == "exited 0" for step in (*dac_steps, "flhc_grid", "oneshot_full")), report
     with tarfile.open(out / "results.tar.gz") as archive:
         names = archive.getnames()
         dac = [n for n in names if n.startswith("benchmarks/dac/results/full/") and n.endswith("/summary.json")]
         # one run of each DAC step (--max-runs 1), at the repository path it is committed under
-        assert dac_steps and len(dac) == len(dac_steps), names
+        assert len(dac) == len(dac_steps), names
         assert any("/rot_unequal_low_" in n for n in dac) == ("dac_low" in dac_steps), names
-        summary = json.loads(archive.extractfile(dac[0]).read())
-        assert summary["finished"] is True and summary["completed_rounds"] == 2
+        assert any("/rot4_" in n for n in dac) == ("dac_rot4" in dac_steps), names
+        for summary in (json.loads(archive.extractfile(name).read()) for name in dac):
+            assert summary["finished"] is True and summary["completed_rounds"] == 2
     flhc = "benchmarks/flhc/results/full/default/"
     assert {f"{flhc}thresholds.json", f"{flhc}base/rounds.jsonl", f"{flhc}probe/summary.json"} <= set(names)
     assert any(n.startswith(f"{flhc}l1_complete_") for n in names)  # the tiny grid's one branch

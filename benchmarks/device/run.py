@@ -20,7 +20,8 @@ conf/flhc_mnist_pathological.yaml --render``, and commit the copies with the pag
    same card; the ratio is the claim.
 3. **The tables** (``QUEUE``, in this order, each on ``batched``, one step after the other until the
    budget ends): DAC Table 2's runs at 500 images not yet committed (seeds 1-2); DAC's low-data
-   setting (``rot_unequal_low``) not yet committed; Briggs et al.'s Table IV grid
+   setting (``rot_unequal_low``) not yet committed; DAC's 4 x 25 setting (``rot4``, Table 1's
+   Fashion-MNIST, the CPU table's last part) not yet committed; Briggs et al.'s Table IV grid
    (``benchmarks/flhc/sweep.py`` on ``conf/flhc_mnist_pathological.yaml``: l1, l2, cosine with
    complete linkage at K = 25, 75, 10, 50 and every client alone, then FedAvg); Ali & Arafa at the
    conf's full length on Fashion-MNIST (``benchmarks/oneshot/run.py --training-rounds 28``, 6 seeds:
@@ -163,7 +164,7 @@ def queue(tiny: bool, work: Path) -> list[Step]:
     """The table work, in the order issue #53 gives it (see the module docstring)."""
     python = sys.executable
     steps = []
-    for name, setting in (("dac_table2", "rot_unequal"), ("dac_low", "rot_unequal_low")):
+    for name, setting in (("dac_table2", "rot_unequal"), ("dac_low", "rot_unequal_low"), ("dac_rot4", "rot4")):
         only = not_committed(setting)
         if not only:
             continue
