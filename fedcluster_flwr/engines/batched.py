@@ -232,8 +232,8 @@ class BatchPolicy:
         size = max(1, min(fits, -(-len(requests) // self.workers)))
         count = -(-len(requests) // size)
         smaller, larger = divmod(len(requests), count)  # ``larger`` stacks of smaller + 1, the rest of smaller
-        ends = list(itertools.accumulate(smaller + (k < larger) for k in range(count)))
-        return [requests[end - (smaller + (k < larger)) : end] for k, end in enumerate(ends)]
+        bounds = itertools.accumulate((smaller + (k < larger) for k in range(count)), initial=0)
+        return [requests[start:end] for start, end in itertools.pairwise(bounds)]
 
     @staticmethod
     def client_bytes(request: Request, longest: int) -> int:
