@@ -14,7 +14,9 @@ from fedcluster_flwr.client import TaskInput
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.experiment import Experiment
 from fedcluster_flwr.protocol import MODEL, MODELS
-from fedcluster_flwr.algorithms.dac.math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
+from fedcluster_flwr.algorithms.dac.math import (
+    centred_tau, reference_tau, reference_two_hop_update, same_true_cluster_share, two_hop_similarities,
+)
 from fedcluster_flwr.algorithms.dac.pens import PENS
 from fedcluster_flwr.algorithms.dac.strategy import (
     DAC, DACOptions, DACVar, DACVarOptions, GossipOptions, OracleGossip, PENSOptions, RandomGossip,
@@ -119,6 +121,21 @@ def test_dac_samples_the_own_cluster_once_similarities_are_known(tmp_path):
     late = [strategy.neighbours(11, 6) for _ in range(30)]
     assert all(7 in chosen for chosen in late)  # the only other client of its cluster, every time
     assert strategy.assignment.tolist() in (TRUE.tolist(), (1 - TRUE).tolist())  # implied clusters
+    share = strategy.summary_entries()["exchanges_same_true_cluster"]
+    counts = strategy.communication
+    for cluster in (0, 1):
+        rows = counts[TRUE == cluster]
+        assert share[str(cluster)] == rows[:, TRUE == cluster].sum() / rows.sum()
+    assert share["0"] > 0.9  # with tau = 50, almost every draw after the first rounds is a cluster mate
+
+
+def test_the_same_cluster_share_reads_each_clusters_rows_and_leaves_out_silent_clusters():
+    counts = np.array([[0, 3, 1, 0], [1, 0, 0, 0], [2, 2, 0, 4], [0, 0, 0, 0]])
+    share = same_true_cluster_share(counts, np.array([0, 0, 1, 1]))
+    assert share == {"0": 4 / 5, "1": 4 / 8}
+    assert same_true_cluster_share(counts, np.array([0, 0, 1, 2])) == {"0": 4 / 5, "1": 0.0}  # 2 drew nobody
+    assert same_true_cluster_share(np.ones((4, 4), dtype=bool) & ~np.eye(4, dtype=bool), np.array([0, 0, 1, 1])) == {
+        "0": 1 / 3, "1": 1 / 3}  # uniform over the others
 
 
 def test_a_client_that_has_not_joined_is_never_a_neighbour(tmp_path):
@@ -193,6 +210,8 @@ def test_oracle_gossip_stays_inside_the_true_cluster(tmp_path):
         chosen = strategy.neighbours(1, pid)
         assert all(TRUE[q] == TRUE[pid] for q in chosen) and pid not in chosen
     assert len(strategy.neighbours(1, 6)) == 1  # client 6 has a single cluster mate
+    synthetic_round(strategy, synthetic_grid(N), 1, gossip_client())
+    assert strategy.summary_entries()["exchanges_same_true_cluster"] == {"0": 1.0, "1": 1.0}
 
 
 def test_the_reference_tau_schedule_is_tau_tanh_of_a_tenth_of_the_round_plus_one():

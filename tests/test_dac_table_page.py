@@ -106,6 +106,44 @@ def test_one_seed_prints_its_values_and_unfinished_methods_a_dash(table, tmp_pat
     assert "## rot_unequal_low (" in page and "100 train / 100 validation / 100 test" in page
 
 
+def test_the_draws_inside_own_cluster_row_reads_the_summary_or_the_backfilled_file(table, tmp_path):
+    results = tmp_path / "full"
+    for seed in (0, 1, 2):
+        write_copy(results, f"rot_unequal_dac_seed{seed}", best=(0.8,) * 4, last=(0.7,) * 4, first=(0.6,) * 4)
+    summary_file = results / "rot_unequal_dac_seed0" / "summary.json"
+    summary = json.loads(summary_file.read_text())
+    summary_file.write_text(json.dumps(summary | {"exchanges_same_true_cluster": per_cluster(0.9, 0.8, 0.2, 0.4)}))
+    (results / "rot_unequal_dac_seed1" / "exchanges.json").write_text(
+        json.dumps({"exchanges_same_true_cluster": per_cluster(1.0, 0.9, 0.3, 0.2)}))
+    # seed 2: its run folder was gone before the file was computed: not in the row
+    write_copy(results, "rot_unequal_local_seed0", best=(0.8,) * 4, last=(0.7,) * 4, first=(0.6,) * 4)
+    table.render(results)
+    page = (results / "README.md").read_text()
+    draws = rows_of(page, "dac")[3]
+    assert draws[1:3] == ["0,1", "draws inside own cluster"]
+    assert draws[3:8] == ["95.00 ± 7.07", "85.00 ± 7.07", "25.00 ± 7.07", "30.00 ± 14.14", "58.75 ± 1.77"]
+    assert rows_of(page, "dac")[4][0] == "*paper*"
+    assert [row[2] for row in rows_of(page, "local")] == ["best validation", "current, round 101", "round 1 (pre-training)"]
+
+
+def test_the_backfill_reads_the_run_folders_counts_and_refuses_another_run(tmp_path):
+    exchanges = load_benchmark("dac/exchanges.py")
+    results, runs = tmp_path / "full", tmp_path / "runs"
+    write_copy(results, "rot4_dac_seed0", best=(0.8,) * 4, last=(0.7,) * 4, first=(0.6,) * 4)
+    copy = results / "rot4_dac_seed0"
+    summary = json.loads((copy / "summary.json").read_text()) | {"true_clusters": [0, 0, 1, 1]}
+    (copy / "summary.json").write_text(json.dumps(summary))
+    assert exchanges.exchanges_entry(runs / "rot4_dac_seed0", copy) is None  # no run folder
+    (runs / "rot4_dac_seed0").mkdir(parents=True)
+    (runs / "rot4_dac_seed0" / "summary.json").write_text(json.dumps(summary))
+    np.save(runs / "rot4_dac_seed0" / "communication.npy", np.array([[0, 3, 1, 0], [1, 0, 0, 0], [2, 2, 0, 4], [0, 0, 0, 0]]))
+    entry = exchanges.exchanges_entry(runs / "rot4_dac_seed0", copy)
+    assert entry["exchanges_same_true_cluster"] == {"0": 4 / 5, "1": 4 / 8} and entry["neighbour_draws"] == 13
+    (runs / "rot4_dac_seed0" / "summary.json").write_text(json.dumps(summary | {"wall_seconds": 1.0}))
+    with pytest.raises(ValueError, match="wall_seconds differ"):
+        exchanges.exchanges_entry(runs / "rot4_dac_seed0", copy)
+
+
 def test_the_reduced_and_reference_pages_print_the_sample_std():
     """benchmarks/dac/run.py and reference_check.py: ± is the sample std from issue #53 on; the shared
     helper keeps the population std for the other benchmarks' pages unless asked."""

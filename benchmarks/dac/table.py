@@ -125,6 +125,18 @@ def readings(folder: Path, summary: dict) -> dict[str, tuple[dict[str, float], f
     }
 
 
+def exchange_shares(folder: Path, summary: dict) -> dict[str, float] | None:
+    """Per true cluster, the share of its members' neighbour draws inside the cluster: summary.json's
+    ``exchanges_same_true_cluster`` (runs made since it has one), else the ``exchanges.json`` that
+    ``benchmarks/dac/exchanges.py`` wrote from the run's ``communication.npy``; None: not recorded
+    (local training, or a run folder gone before it was computed)."""
+    if "exchanges_same_true_cluster" in summary:
+        return summary["exchanges_same_true_cluster"]
+    if (folder / "exchanges.json").is_file():
+        return json.loads((folder / "exchanges.json").read_text())["exchanges_same_true_cluster"]
+    return None
+
+
 def wall_time(folder: Path, summary: dict) -> str:
     """The run's own clock (summary.json ``wall_seconds``: every stretch up to its last checkpoint, carried
     through each resume) and the part ``machine.json`` records (attempts the table command saw end)."""
@@ -162,6 +174,13 @@ def method_rows(results_dir: Path, setting: str, method: str, clusters: int) -> 
             head = ["", ""]
         name = label.format(rounds=rounds.pop() if len(rounds) == 1 else "last") if key == "last" else label
         rows.append("| " + " | ".join([*head, name, *cells, *extra]) + " |")
+    shares = [(seed, found) for seed, folder, summary in done if (found := exchange_shares(folder, summary)) is not None]
+    if shares:
+        by_cluster = [[found[str(k)] for _, found in shares if str(k) in found] for k in range(clusters)]
+        cluster_mean = [float(np.mean(list(found.values()))) for _, found in shares]
+        cells = [cell(values) for values in by_cluster] + [cell(cluster_mean), ""]
+        rows.append("| " + " | ".join(["", ",".join(str(seed) for seed, _ in shares), "draws inside own cluster",
+                                       *cells, "", "", ""]) + " |")
     return rows
 
 
@@ -188,7 +207,13 @@ def render(results_dir: Path) -> None:
         "- **round 1 (pre-training)**: round 1, after each client trained alone (local: its first round, the "
         "same training); rounds.jsonl's first row (summary.json `per_true_cluster_first_round_accuracy` in runs "
         "made since it has one). Best-validation selection keeps this model as a candidate (as the reference "
-        "code, which never resets its best validation loss), so the best-validation reading starts from it.\n",
+        "code, which never resets its best validation loss), so the best-validation reading starts from it.",
+        "- **draws inside own cluster** (gossip methods; not test accuracy): per true cluster, the share of its "
+        "members' neighbour draws over the run that went to members of the same cluster, the diagonal blocks of "
+        "the paper's communication heatmap (Figure 4); uniform draws give about the cluster's share of the other "
+        "clients. summary.json `exchanges_same_true_cluster`, or for runs made before it, `exchanges.json` "
+        "(`benchmarks/dac/exchanges.py`, from the run folder's `communication.npy`); its seeds column lists the "
+        "seeds that have it (a run folder deleted before it was computed has none).\n",
         "Several seeds: mean ± **sample** standard deviation (ddof = 1) over the seeds done; one seed: its value. "
         "Mean of clusters: the unweighted mean of the four clusters, as the paper's Mean column; mean client: "
         "over the 100 clients. Paper: the numbers our copy of the paper keeps (– where extraction lost them; "

@@ -1,5 +1,6 @@
-"""DAC's similarity arithmetic (Zec et al.): the temperature schedules of DAC-var and the two
-two-hop estimates of unknown similarities (the paper's text and the reference code's)."""
+"""DAC's similarity arithmetic (Zec et al.): the temperature schedules of DAC-var, the two
+two-hop estimates of unknown similarities (the paper's text and the reference code's), and the
+share of exchanges inside the true clusters (the paper's Figure 4 in one number per cluster)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,20 @@ def reference_two_hop_update(table: np.ndarray, met: np.ndarray, i: int, neighbo
         holders = neighbours[known[:, k]]
         lender = holders[int(np.argmax(table[i, holders]))]
         table[i, k] = table[lender, k]
+
+
+def same_true_cluster_share(counts: np.ndarray, true_clusters: np.ndarray) -> dict[str, float]:
+    """Per true cluster c, the share of its members' exchanges (``counts[i, j]``: how often i took
+    j's model, or whether it keeps j) that went to members of c: Σ_{i, j ∈ c} counts / Σ_{i ∈ c, j}
+    counts, keyed by ``str(c)``; a cluster whose members exchanged nothing is left out. What the
+    paper's communication heatmap (Figure 4) shows as its diagonal blocks; 1 / number of clusters
+    for uniform draws over equal clusters."""
+    counts = np.asarray(counts)
+    true_clusters = np.asarray(true_clusters)
+    share = {}
+    for cluster in np.unique(true_clusters):
+        rows = counts[true_clusters == cluster]
+        total = rows.sum()
+        if total:
+            share[str(int(cluster))] = float(rows[:, true_clusters == cluster].sum() / total)
+    return share

@@ -10,6 +10,7 @@ import numpy as np
 
 from ...registry import register
 from ..base.strategy import StrategySetup
+from .math import same_true_cluster_share
 from .strategy import Gossip, PENSOptions
 from . import tasks as gossip
 from ...aggregation import lowest
@@ -107,15 +108,9 @@ class PENS(Gossip):
         """Whom each client gossips with after the selection (``neighbour_sets``: partition ids per
         client) and, per true cluster, the share of its members' kept peers that are of the same
         true cluster: how well the loss-based selection found each client's own cluster."""
-        true = self.setup.true_clusters
-        same = {}
-        for cluster in np.unique(true):
-            kept = self.neighbour_sets[true == cluster]
-            if kept.any():
-                same[str(int(cluster))] = float(kept[:, true == cluster].sum() / kept.sum())
         return super().summary_entries() | {
             "neighbour_sets": [np.flatnonzero(row).tolist() for row in self.neighbour_sets],
-            "neighbour_set_same_true_cluster": same,
+            "neighbour_set_same_true_cluster": same_true_cluster_share(self.neighbour_sets, self.setup.true_clusters),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -75,7 +75,7 @@ from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, St
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ..base.turns import TakesTurns
 from ...registry import register
-from .math import centred_tau, reference_tau, reference_two_hop_update, two_hop_similarities
+from .math import centred_tau, reference_tau, reference_two_hop_update, same_true_cluster_share, two_hop_similarities
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
@@ -314,6 +314,15 @@ class Gossip(TakesTurns, ClusteredStrategy):
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         return super().round_metrics(server_round) | {"pairs_met": int(self.met.sum()), "exchanges": self.exchanges}
+
+    def summary_entries(self) -> dict[str, Any]:
+        """``exchanges_same_true_cluster``: per true cluster, the share of its members' neighbour
+        draws that went to members of the same cluster (``communication``'s diagonal blocks, the
+        paper's Figure 4): whom the method talks to, where ``assignment`` (hence purity/ARI) is the
+        last measured similarities clustered, old measurements and all."""
+        return super().summary_entries() | {
+            "exchanges_same_true_cluster": same_true_cluster_share(self.communication, self.setup.true_clusters),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {
