@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ...clustering import cluster_square
+
 
 def reference_tau(t: float, tau: float) -> float:
     """DAC-var's τ after exchange t (t = 0 the first), as the reference code's
@@ -57,6 +59,16 @@ def reference_two_hop_update(table: np.ndarray, met: np.ndarray, i: int, neighbo
         holders = neighbours[known[:, k]]
         lender = holders[int(np.argmax(table[i, holders]))]
         table[i, k] = table[lender, k]
+
+
+def implied_clusters(similarity: np.ndarray, num_clusters: int) -> np.ndarray:
+    """Hard clusters from the relay's similarities (NaN: unknown): average linkage of the distances
+    1 / s (a loss: both directions' mean, or the one known), unknown pairs at the largest known.
+    Called once a pair has met; every s is a measured 1 / loss or a copy of one, of any age."""
+    loss = 1.0 / similarity
+    distance = np.where(np.isnan(loss), loss.T, np.where(np.isnan(loss.T), loss, (loss + loss.T) / 2))
+    distance = np.nan_to_num(distance, nan=np.nanmax(distance))
+    return cluster_square(distance, "average", num_clusters=num_clusters).labels
 
 
 def same_true_cluster_share(counts: np.ndarray, true_clusters: np.ndarray) -> dict[str, float]:

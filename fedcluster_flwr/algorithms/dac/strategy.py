@@ -47,10 +47,11 @@ the client's true cluster; ``pens`` selects its neighbours by loss first (see :c
 ``local`` (no communication) is the existing strategy.
 
 Personal models start from different initialisations (the paper's setting) or, with
-``same_init: true``, from one. Soft clusters are made comparable with the other strategies'
-by agglomerative clustering of the similarity matrix into the true number of clusters
-(``assignment``, hence purity/ARI in ``rounds.jsonl``); ``communication.png`` shows how often
-i sampled j, clients ordered by true cluster.
+``same_init: true``, from one. Soft clusters are made comparable with the other strategies' by
+clustering the relay's latest similarities, however old, into the true number of clusters
+(``assignment``, hence purity/ARI in ``rounds.jsonl``). Whom the clients talk to is the paper's
+Figure 4: ``communication.png`` (how often i sampled j, clients ordered by true cluster) and, per
+true cluster, the share of its members' draws inside it (summary ``exchanges_same_true_cluster``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ import numpy as np
 from ...types import NDArrays
 
 from ... import protocol
-from ...clustering import cluster_square
 from ...protocol import MODEL, MODELS, TRAIN
 from . import tasks as gossip
 from .tasks import GOSSIP_TRAIN
@@ -75,7 +75,8 @@ from ..base.strategy import Artifacts, ClusteredStrategy, Instruction, Reply, St
 from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ..base.turns import TakesTurns
 from ...registry import register
-from .math import centred_tau, reference_tau, reference_two_hop_update, same_true_cluster_share, two_hop_similarities
+from .math import centred_tau, implied_clusters, reference_tau, reference_two_hop_update, same_true_cluster_share
+from .math import two_hop_similarities
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
@@ -302,13 +303,8 @@ class Gossip(TakesTurns, ClusteredStrategy):
         return self.similarity
 
     def implied_clusters(self) -> np.ndarray:
-        """Soft clusters made hard for the metrics (``assignment``, hence purity/ARI): average linkage of
-        the distances 1 / s (a loss: both directions' mean, or the one known), unknown pairs at the
-        largest known. Called once a pair has met; every s is a measured 1 / loss or a copy of one."""
-        loss = 1.0 / self.estimate  # NaN where unknown
-        distance = np.where(np.isnan(loss), loss.T, np.where(np.isnan(loss.T), loss, (loss + loss.T) / 2))
-        distance = np.nan_to_num(distance, nan=np.nanmax(distance))
-        return cluster_square(distance, "average", num_clusters=self.num_true_clusters).labels
+        """Soft clusters made hard for the metrics (``assignment``): :func:`.math.implied_clusters`."""
+        return implied_clusters(self.estimate, self.num_true_clusters)
 
     # ---- records -----------------------------------------------------------------------------------
 
@@ -316,10 +312,7 @@ class Gossip(TakesTurns, ClusteredStrategy):
         return super().round_metrics(server_round) | {"pairs_met": int(self.met.sum()), "exchanges": self.exchanges}
 
     def summary_entries(self) -> dict[str, Any]:
-        """``exchanges_same_true_cluster``: per true cluster, the share of its members' neighbour
-        draws that went to members of the same cluster (``communication``'s diagonal blocks, the
-        paper's Figure 4): whom the method talks to, where ``assignment`` (hence purity/ARI) is the
-        last measured similarities clustered, old measurements and all."""
+        """Whom the clients drew (``exchanges_same_true_cluster``; see the module docstring)."""
         return super().summary_entries() | {
             "exchanges_same_true_cluster": same_true_cluster_share(self.communication, self.setup.true_clusters),
         }
