@@ -75,8 +75,8 @@ def same_true_cluster_share(counts: np.ndarray, true_clusters: np.ndarray) -> di
     """Per true cluster c, the share of its members' exchanges (``counts[i, j]``: how often i took
     j's model, or whether it keeps j) that went to members of c: Σ_{i, j ∈ c} counts / Σ_{i ∈ c, j}
     counts, keyed by ``str(c)``; a cluster whose members exchanged nothing is left out. What the
-    paper's communication heatmap (Figure 4) shows as its diagonal blocks; 1 / number of clusters
-    for uniform draws over equal clusters."""
+    paper's communication heatmap (Figure 4) shows as its diagonal blocks; about (|c| − 1) / (N − 1)
+    for draws uniform over the N − 1 other clients."""
     counts = np.asarray(counts)
     true_clusters = np.asarray(true_clusters)
     share = {}
