@@ -126,6 +126,37 @@ def test_the_draws_inside_own_cluster_row_reads_the_summary_or_the_backfilled_fi
     assert [row[2] for row in rows_of(page, "local")] == ["best validation", "current, round 101", "round 1 (pre-training)"]
 
 
+def paired_rows_of(page: str) -> dict[str, list[str]]:
+    """The rot_unequal section's paired differences: method -> its cells after the name."""
+    section = page.split("\n## rot_unequal (")[1].split("\n## ")[0]
+    table = section.split("| DAC minus, per seed |")[1]
+    return {cells[0]: cells[1:] for line in table.splitlines() if line.startswith("| ") and not line.startswith("|---")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+
+
+def test_dac_minus_each_method_is_taken_seed_by_seed_on_the_seeds_both_finished(table, tmp_path):
+    results = tmp_path / "full"
+    write_copy(results, "rot_unequal_dac_seed0", best=(0.80, 0.78, 0.76, 0.74), last=(0.70,) * 4, first=(0.6,) * 4)
+    write_copy(results, "rot_unequal_dac_seed1", best=(0.82, 0.80, 0.78, 0.76), last=(0.72,) * 4, first=(0.6,) * 4)
+    # random gossip: 3 points under DAC on seed 0, 1 above on seed 1 (means of clusters 0.74 and 0.80)
+    write_copy(results, "rot_unequal_random_gossip_seed0", best=(0.74,) * 4, last=(0.71,) * 4, first=(0.6,) * 4)
+    write_copy(results, "rot_unequal_random_gossip_seed1", best=(0.80,) * 4, last=(0.70,) * 4, first=(0.6,) * 4)
+    # PENS: seeds 1 and 2; only seed 1 is shared with DAC
+    write_copy(results, "rot_unequal_pens_seed1", best=(0.70,) * 4, last=(0.75,) * 4, first=(0.6,) * 4)
+    write_copy(results, "rot_unequal_pens_seed2", best=(0.10,) * 4, last=(0.10,) * 4, first=(0.6,) * 4)
+    table.render(results)
+    page = (results / "README.md").read_text()
+    assert "**DAC minus each method, seed by seed**" in page
+    rows = paired_rows_of(page)
+    # gaps +3 and -1 points: mean +1.00, sample std 2.83, DAC above on one of two seeds; current: -1 and +2
+    assert rows["random_gossip"] == ["0,1", "+1.00 ± 2.83 (1 of 2)", "+0.50 ± 2.12 (1 of 2)"]
+    assert rows["pens"] == ["1", "+9.00 (1 of 1)", "-3.00 (0 of 1)"]  # PENS's seed 2 has no DAC seed to pair
+    assert set(rows) == {"random_gossip", "pens"}  # a method with no seed in common has no row
+    # a setting where DAC has no finished seed has no paired table
+    low = page.split("\n## rot_unequal_low (")[1].split("\n## ")[0]
+    assert "DAC minus, per seed" not in low
+
+
 def test_the_backfill_reads_the_run_folders_counts_and_refuses_another_run(tmp_path):
     exchanges = load_benchmark("dac/exchanges.py")
     results, runs = tmp_path / "full", tmp_path / "runs"

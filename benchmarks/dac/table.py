@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -146,8 +147,8 @@ def wall_time(folder: Path, summary: dict) -> str:
     return f"{summary['wall_seconds'] / 3600:.1f} h ({recorded / 3600:.1f} h recorded, from round {starts or '–'})"
 
 
-def method_rows(results_dir: Path, setting: str, method: str, clusters: int) -> list[str]:
-    """The page's rows of one method: a reading per row, or one row of dashes before any seed is done."""
+def finished_runs(results_dir: Path, setting: str, method: str) -> list[tuple[int, Path, dict]]:
+    """(seed, folder, summary) of each finished copy of ``method`` on ``setting``, by seed."""
     done = []
     for seed in SEEDS:
         folder = results_dir / f"{setting}_{method}_seed{seed}"
@@ -155,6 +156,12 @@ def method_rows(results_dir: Path, setting: str, method: str, clusters: int) -> 
             summary = json.loads((folder / "summary.json").read_text())
             if summary.get("finished"):
                 done.append((seed, folder, summary))
+    return done
+
+
+def method_rows(results_dir: Path, setting: str, method: str, clusters: int) -> list[str]:
+    """The page's rows of one method: a reading per row, or one row of dashes before any seed is done."""
+    done = finished_runs(results_dir, setting, method)
     if not done:
         return [f"| {method} | – | | " + " | ".join(["–"] * (clusters + 2)) + " | – | – | – |"]
     rounds = {summary["completed_rounds"] for _, _, summary in done}
@@ -182,6 +189,40 @@ def method_rows(results_dir: Path, setting: str, method: str, clusters: int) -> 
         rows.append("| " + " | ".join(["", ",".join(str(seed) for seed, _ in shares), "draws inside own cluster",
                                        *cells, "", "", ""]) + " |")
     return rows
+
+
+PAIRED = "dac"  # the method the paired differences are taken from
+PAIRED_NOTE = (
+    "**DAC minus each method, seed by seed** (after each setting's table): on one seed both ran on the same "
+    "partition, and the gossip methods from the same pre-training, so the difference of their means of clusters "
+    "(in points) is taken per seed; mean ± sample std over the seeds both finished, and on how many of them DAC "
+    "was above. A difference within its spread is no ranking.\n"
+)
+
+
+def paired_rows(results_dir: Path, setting: str, methods: Sequence[str], clusters: int) -> list[str]:
+    """The paired differences' table (``PAIRED_NOTE``), or nothing before DAC and another method share a seed."""
+    def cluster_means(method: str) -> dict[int, dict[str, float]]:
+        return {seed: {key: float(np.mean([reading[key][0][str(k)] for k in range(clusters)]))
+                       for reading in [readings(folder, summary)] for key in ("best", "last")}
+                for seed, folder, summary in finished_runs(results_dir, setting, method)}
+
+    reference = cluster_means(PAIRED)
+    rows = []
+    for method in (m for m in methods if m != PAIRED):
+        other = cluster_means(method)
+        seeds = sorted(set(reference) & set(other))
+        if not seeds:
+            continue
+        cells = []
+        for key in ("best", "last"):
+            gaps = [100 * (reference[seed][key] - other[seed][key]) for seed in seeds]
+            spread = f" ± {np.std(gaps, ddof=1):.2f}" if len(gaps) > 1 else ""
+            cells.append(f"{np.mean(gaps):+.2f}{spread} ({sum(gap > 0 for gap in gaps)} of {len(gaps)})")
+        rows.append(f"| {method} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", "| DAC minus, per seed | seeds | best validation | current, last round |", "|---|---|---|---|", *rows]
 
 
 def paper_row(setting: str, method: str) -> list[str]:
@@ -226,6 +267,7 @@ def render(results_dir: Path) -> None:
         "command appends an attempt when it ends, in a `finally`: rounds run by an attempt that never got there, "
         "a process killed outright or another command, count in the run's clock but not in machine.json). "
         "CIFAR-10 cannot run here (no offline copy).\n",
+        PAIRED_NOTE,
     ]
     for setting, (conf, methods, overrides) in SETTINGS.items():
         config, _ = load_config(ROOT / "conf" / conf, list(overrides))
@@ -239,6 +281,7 @@ def render(results_dir: Path) -> None:
                   "|---|---|---|" + "---|" * (len(names) + 5)]
         for method in methods:
             lines += method_rows(results_dir, setting, method, len(names)) + paper_row(setting, method)
+        lines += paired_rows(results_dir, setting, methods, len(names))
     atomic_write(results_dir / "README.md", "\n".join(lines) + "\n")  # another table command may render too
 
 
