@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ def load_benchmark(script: str) -> ModuleType:
     path = ROOT / "benchmarks" / script
     spec = importlib.util.spec_from_file_location("benchmark_" + script.removesuffix(".py").replace("/", "_"), path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does: a dataclass there looks its module up by name
     spec.loader.exec_module(module)
     return module
 

@@ -1,6 +1,8 @@
 """The GPU script of benchmarks/device/ runs on a CPU with tiny sizes (slow tier), so that it works
 the first time a GPU is lent: agreement of the engines, a timed round on each, one run of each queued
-table (DAC Table 2, DAC's low-data setting, FL+HC's grid, one-shot HFL), packed into one archive."""
+table (DAC Table 2, DAC's low-data setting, FL+HC's grid, one-shot HFL), packed into one archive.
+Fast: what a lease stopped comes back in parts within the device's limits, and a note in the
+agreement report (no Ray there) is not a failed case."""
 
 from __future__ import annotations
 
@@ -10,14 +12,87 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
+from helpers import load_benchmark
 
-pytestmark = pytest.mark.slow
+
+@pytest.fixture
+def device_script():
+    with mock.patch.dict(os.environ):  # the script sets its environment defaults on import
+        yield load_benchmark("device/run.py")
 
 
+def test_a_note_in_the_agreement_report_is_not_a_failed_case(device_script):
+    note = {"batched_actor": "not run: ray is not installed here"}
+    assert device_script.agreement_ok({**note, "dac, deterministic=True": {"ok": True}})
+    assert not device_script.agreement_ok({**note, "dac, deterministic=True": {"ok": True}, "flhc": {"ok": False}})
+
+
+def run_folder(path: Path, *, finished: bool, checkpoint_bytes: int = 0, seed: int = 0) -> bytes:
+    """A run folder as the tables leave it: summary.json, a claim, and a checkpoint of random
+    (incompressible) bytes when ``checkpoint_bytes``; returns those bytes."""
+    (path / "checkpoint").mkdir(parents=True) if checkpoint_bytes else path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({"finished": finished}))
+    (path / ".claimed").write_text(json.dumps({"pid": 1, "host": "gpu"}))
+    blob = np.random.default_rng(seed).bytes(checkpoint_bytes)
+    if checkpoint_bytes:
+        (path / "checkpoint" / "models.npz").write_bytes(blob)
+    return blob
+
+
+def test_runs_the_budget_stopped_come_back_in_parts_under_their_table_paths(device_script, tmp_path, monkeypatch):
+    monkeypatch.setattr(device_script, "PART_BYTES", 4096)
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    for name in ("agreement.json", "timing.json", "results.tar.gz"):
+        (out / name).write_text("{}")
+    dac_runs, flhc_runs = work / "dac_runs", work / "flhc_runs"
+    stopped = run_folder(dac_runs / "rot4_dac_seed1", finished=False, checkpoint_bytes=6000, seed=1)
+    run_folder(dac_runs / "rot4_dac_seed0", finished=True, checkpoint_bytes=100)  # finished: its small files went
+    run_folder(dac_runs / "rot4_pens_seed1", finished=False)  # stopped before a checkpoint: starts again
+    run_folder(dac_runs / "rot4_local_seed1", finished=False, checkpoint_bytes=20000)  # over the room left
+    base = run_folder(flhc_runs / "base", finished=False, checkpoint_bytes=300, seed=2)  # shared rounds: go along
+    branch = run_folder(flhc_runs / "l1_complete_k25", finished=False, checkpoint_bytes=4000, seed=3)
+    Step = device_script.Step
+    steps = [Step(name, [], work / name, "dest", runs_dir=dac_runs, runs_home="dac") for name in ("dac_low", "dac_rot4")]
+    steps.append(Step("flhc_grid", [], work / "flhc", "dest", shared=("base", "probe"), runs_dir=flhc_runs,
+                      runs_home="flhc_sweep_x"))
+    report = device_script.pack_stopped(steps, out, work)
+    assert report["packed"] == ["dac/rot4_dac_seed1", "flhc_sweep_x/base", "flhc_sweep_x/l1_complete_k25"]
+    assert report["no room"] == ["dac/rot4_local_seed1"]  # named, not lost silently
+    parts = sorted(out.glob("resume.tar.gz.*"))
+    assert [p.name for p in parts] == report["parts"] and len(parts) >= 3  # split: more than one part's bytes
+    assert all(p.stat().st_size <= 4096 for p in parts) and len(list(out.iterdir())) <= device_script.BACK_FILES - 1
+    joined = tmp_path / "resume.tar.gz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))  # cat resume.tar.gz.* | tar xzf -
+    tables = tmp_path / "fedcluster-tables"
+    with tarfile.open(joined) as archive:
+        archive.extractall(tables, filter="data")
+    assert (tables / "dac/rot4_dac_seed1/checkpoint/models.npz").read_bytes() == stopped
+    assert (tables / "flhc_sweep_x/base/checkpoint/models.npz").read_bytes() == base
+    assert (tables / "flhc_sweep_x/l1_complete_k25/checkpoint/models.npz").read_bytes() == branch
+    assert json.loads((tables / "dac/rot4_dac_seed1/summary.json").read_text()) == {"finished": False}
+    assert not list(tables.rglob(".claimed"))  # a claim names a process over there
+    assert not (work / "resume.tar.gz").exists()
+
+
+def test_nothing_stopped_sends_no_part(device_script, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_folder(tmp_path / "runs" / "done", finished=True, checkpoint_bytes=10)
+    run_folder(tmp_path / "runs" / "base", finished=False, checkpoint_bytes=10)  # shared rounds end early; no branch stopped
+    step = device_script.Step("flhc_grid", [], tmp_path / "r", "dest", shared=("base",), runs_dir=tmp_path / "runs",
+                              runs_home="flhc_sweep_x")
+    assert device_script.pack_stopped([step], out, tmp_path) == {"packed": [], "parts": [], "no room": []}
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FEDCLUSTER_DATA_DIR"), reason="needs Fashion-MNIST under FEDCLUSTER_DATA_DIR")
 def test_the_device_script_dry_run_on_a_cpu(tmp_path: Path):
     out, work = tmp_path / "out", tmp_path / "work"

@@ -4,12 +4,15 @@ card, how fast is a full-scale DAC round, then as much of the paper tables' queu
     python benchmarks/device/run.py --out "$OUT" --budget 540          # on the GPU machine
     python benchmarks/device/run.py --device cpu --tiny --out /tmp/dry  # the CPU dry run (slow test tier)
 
-On a lent machine (no flwr there; ../shared/gpu/README.md): here ``bash ../shared/gpu/prepare.sh
---with-fmnist`` writes ``.gpu/``; the device command, with ``.gpu`` carried and a timeout above the
-budget (600 s for 540), is ``bash .gpu/setup.sh && . TMP/gpu-env.sh && python3
-benchmarks/device/run.py --out "$OUT" --budget 540``. Back here: ``tar xzf results.tar.gz`` in the
-checkout, then ``python benchmarks/dac/table.py --render`` and ``python benchmarks/flhc/sweep.py
-conf/flhc_mnist_pathological.yaml --render``, and commit the copies with the pages.
+On a lent machine (no flwr there; ../shared/gpu/README.md): here ``bash benchmarks/device/bundle.sh
+fmnist`` (``mnist`` once the queue's next step is FL+HC's grid) writes ``.gpu/`` within the 64 MiB
+the working tree and carried paths may take: the wheels, one dataset, no Ray; the device command,
+with ``.gpu`` carried and a timeout above the budget plus about 40 s of setup (600 s for 500), is
+``bash .gpu/setup.sh && . TMP/gpu-env.sh && python3 benchmarks/device/run.py --out "$OUT" --budget
+500``. Back here: ``tar xzf results.tar.gz`` in the checkout, then ``python benchmarks/dac/table.py
+--render`` and ``python benchmarks/flhc/sweep.py conf/flhc_mnist_pathological.yaml --render``, and
+commit the copies with the pages. If the budget stopped a run, its folder came back too:
+``cat resume.tar.gz.* | tar xzf - -C ~/fedcluster-tables`` puts it where the table command resumes it.
 
 1. **Agreement** (``agreement.json``): a small digits case of DAC and of FL+HC on ``inprocess``, on
    ``batched`` and (where Ray is installed) on ``batched`` in one Ray actor holding the GPU, on the
@@ -33,7 +36,11 @@ stay in ``--work`` and every finished run's small files are packed, as soon as t
 ``$OUT/results.tar.gz`` under their repository paths (``benchmarks/dac/results/full/<run>/...``; FL+HC's
 base, probe and thresholds too), rewritten whole each time (a new file, then renamed: a machine
 taken back early leaves the last complete archive). ``tar xzf results.tar.gz`` in the checkout puts
-them in place; then each table's ``--render`` rewrites its page. What is already committed is not run
+them in place; then each table's ``--render`` rewrites its page. The runs the budget stopped (DAC's
+and the sweep's; checkpoints included, with the sweep's shared rounds) come back as
+``$OUT/resume.tar.gz.00``, ``.01``, ... (15 MiB parts, within the room the other files leave; a run
+that does not fit is named in ``tables.json``): a lease's last run is resumed, not lost (a full-scale
+DAC run's folder is about 23 MB). What is already committed is not run
 again: the DAC steps skip runs with a finished copy in ``benchmarks/dac/results/full/``, the sweep and
 the one-shot script start from copies of their committed folders. ``--tiny`` shrinks every step (the
 CPU dry run that keeps this script from rotting). Needs Fashion-MNIST and MNIST under
@@ -140,6 +147,9 @@ class Step:
     shared: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
     seed_from: Path | None = None  # a committed folder copied into ``results`` first: its runs are not redone
+    runs_dir: Path | None = None  # its run folders (checkpoints): a run stopped by the budget comes back from here
+    runs_home: str = ""  # where its table command keeps them here, under ``~/fedcluster-tables`` (its default)
+    needs: str = ""  # the dataset folder under $FEDCLUSTER_DATA_DIR it reads (a bundle carries one)
 
 
 def not_committed(setting: str) -> list[str]:
@@ -171,7 +181,8 @@ def queue(tiny: bool, work: Path) -> list[Step]:
         command = [python, str(ROOT / "benchmarks" / "dac" / "table.py"), "--engine", "batched", "--workers", "1",
                    "--runs-dir", str(work / "dac_runs"), "--results-dir", str(work / name), "--only", ",".join(only),
                    *(TINY_TABLE if tiny else ())]
-        steps.append(Step(name, command, work / name, "benchmarks/dac/results/full"))
+        steps.append(Step(name, command, work / name, "benchmarks/dac/results/full", runs_dir=work / "dac_runs",
+                          runs_home="dac", needs="FashionMNIST"))
     sweep_conf = "default.yaml" if tiny else f"{FLHC_CONF}.yaml"
     committed = ROOT / "benchmarks" / "flhc" / "results" / "full" / Path(sweep_conf).stem
     sweep = [python, str(ROOT / "benchmarks" / "flhc" / "sweep.py"), str(ROOT / "conf" / sweep_conf), "--engine", "batched",
@@ -184,12 +195,15 @@ def queue(tiny: bool, work: Path) -> list[Step]:
         sweep += ["--methods", "l1/complete", "l2/complete", "cosine/complete", "--clusters", "25,75,10,50,100"]
     steps.append(Step("flhc_grid", sweep, work / "flhc", f"benchmarks/flhc/results/full/{Path(sweep_conf).stem}",
                       shared=("base", "probe"), files=("thresholds.json",),
-                      seed_from=committed if committed.is_dir() and not tiny else None))
+                      seed_from=committed if committed.is_dir() and not tiny else None,
+                      runs_dir=work / "flhc_runs", runs_home=f"flhc_sweep_{Path(sweep_conf).stem}",
+                      needs="" if tiny else "MNIST"))
     oneshot = [python, str(ROOT / "benchmarks" / "oneshot" / "run.py"), "--engine", "batched",
                "--out", str(work / "oneshot"), *(("--seeds", "0", "--training-rounds", "1") if tiny else ("--training-rounds", "28"))]
     steps.append(Step("oneshot_full", oneshot, work / "oneshot", "benchmarks/oneshot/results/full", runs="runs",
                       files=("results.md", "curves.png", "k_sweep.png"),
-                      seed_from=ROOT / "benchmarks" / "oneshot" / "results" / "full" if not tiny else None))
+                      seed_from=ROOT / "benchmarks" / "oneshot" / "results" / "full" if not tiny else None,
+                      needs="FashionMNIST"))  # its stopped runs start again (its script keeps no table queue)
     return steps
 
 
@@ -247,6 +261,65 @@ def run_step(step: Step, deadline: float, steps: list[Step], out: Path, since: f
     return process.wait()
 
 
+# What a lease gives back (the device's limits): at most 8 files, 16 MiB each, 64 MiB together.
+BACK_FILES, BACK_BYTES, PART_BYTES = 8, 64 * 2**20, 15 * 2**20
+RESUME = "resume.tar.gz"  # comes back as RESUME.00, RESUME.01, ...; see the module docstring
+NOT_PACKED = {".claimed"}  # a claim names a process of the lent machine, nothing here
+
+
+def stopped_runs(steps: list[Step]) -> dict[str, Path]:
+    """The run folders the budget stopped (a checkpoint, not finished), each under the path its table
+    command keeps it at here (``<runs_home>/<run>``), in the queue's order."""
+    stopped: dict[str, Path] = {}
+    for step in steps:
+        if step.runs_dir is None or not step.runs_dir.is_dir():
+            continue
+        checkpointed = [f for f in sorted(step.runs_dir.iterdir()) if f.is_dir() and (f / "checkpoint").is_dir()]
+        # a sweep's shared rounds (base, probe) stop short of the end by design: they are no stopped run,
+        # but go with a stopped branch, as what it resumes beside
+        shared = [f for f in checkpointed if f.name in step.shared]
+        unfinished = [f for f in checkpointed if f not in shared and not finished(f)]
+        if not unfinished:
+            continue
+        for folder in shared + unfinished:
+            stopped.setdefault(f"{step.runs_home}/{folder.name}", folder)
+    return stopped
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name not in NOT_PACKED)
+
+
+def pack_stopped(steps: list[Step], out: Path, work: Path, reserve_files: int = 1) -> dict:
+    """Pack the runs the budget stopped, checkpoints included, into ``out/RESUME.NN`` parts within
+    what is left of the files that come back (``reserve_files`` more are still to be written), so a
+    lease's unfinished run is resumed elsewhere rather than run again. Runs that do not fit in that
+    room (their raw size, an upper bound of the archive's) are named, not packed."""
+    taken = [p for p in out.iterdir() if p.is_file()]
+    room = min(BACK_BYTES - sum(p.stat().st_size for p in taken) - 2**20,  # 1 MiB for the reports still to come
+               (BACK_FILES - len(taken) - reserve_files) * PART_BYTES)
+    packed, left = [], []
+    archive = work / RESUME
+    with tarfile.open(archive, "w:gz") as tar:
+        for arcname, folder in stopped_runs(steps).items():
+            size = folder_bytes(folder)
+            if size > room:
+                left.append(arcname)
+                continue
+            room -= size
+            tar.add(folder, arcname=arcname, filter=lambda member: None if Path(member.name).name in NOT_PACKED else member)
+            packed.append(arcname)
+    parts = []
+    if packed:
+        with archive.open("rb") as whole:
+            while chunk := whole.read(PART_BYTES):
+                part = out / f"{RESUME}.{len(parts):02d}"
+                part.write_bytes(chunk)
+                parts.append(part.name)
+    archive.unlink()
+    return {"packed": packed, "parts": parts, "no room": left}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -265,16 +338,25 @@ def main() -> int:
     (args.out / "timing.json").write_text(json.dumps(timed := timing(args.device, args.tiny, work), indent=1))
     print(json.dumps(timed, indent=1), flush=True)
     steps = queue(args.tiny, work)
+    data_dir = Path(os.environ.get("FEDCLUSTER_DATA_DIR", "."))
     report = {}
     for step in steps:
         if time.time() >= deadline:
             report[step.name] = "not started: budget spent"
-            continue
-        report[step.name] = f"exited {run_step(step, deadline, steps, args.out, since)}"
+        elif step.needs and not (data_dir / step.needs).is_dir():
+            report[step.name] = f"not started: no {step.needs} under FEDCLUSTER_DATA_DIR (a bundle carries one dataset)"
+        else:
+            report[step.name] = f"exited {run_step(step, deadline, steps, args.out, since)}"
     report["packed"] = pack(steps, args.out, since)
+    report["stopped runs"] = pack_stopped(steps, args.out, work)
     (args.out / "tables.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1), f"\n{time.perf_counter() - started:.0f} s in all", flush=True)
-    return 0 if all(case["ok"] for case in agreed.values()) else 1
+    return 0 if agreement_ok(agreed) else 1
+
+
+def agreement_ok(report: dict) -> bool:
+    """Every engine case agreed; an entry that is a note (a case not run: no Ray there) is not a case."""
+    return all(case["ok"] for case in report.values() if isinstance(case, dict))
 
 
 if __name__ == "__main__":
