@@ -33,6 +33,21 @@ def test_a_note_in_the_agreement_report_is_not_a_failed_case(device_script):
     assert not device_script.agreement_ok({**note, "dac, deterministic=True": {"ok": True}, "flhc": {"ok": False}})
 
 
+def test_the_queue_puts_the_gpu_only_tables_before_the_work_the_cpu_tables_share(device_script, tmp_path):
+    names = [step.name for step in device_script.queue(False, tmp_path)]
+    order = ["dac_table2", "dac_low", "flhc_grid", "oneshot_full", "dac_rot4"]  # a DAC step only while runs are left
+    assert {"flhc_grid", "oneshot_full"} <= set(names) and names == [name for name in order if name in names]
+    needs = {step.name: step.needs for step in device_script.queue(False, tmp_path)}
+    assert needs["flhc_grid"] == "MNIST" and needs["oneshot_full"] == "FashionMNIST"
+
+
+def test_the_timing_step_says_it_did_not_run_without_fashion_mnist(device_script, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDCLUSTER_DATA_DIR", str(tmp_path))  # a bundle that carried MNIST only
+    (tmp_path / "MNIST").mkdir()
+    assert device_script.carried("MNIST") and not device_script.carried("FashionMNIST")
+    assert "no FashionMNIST" in device_script.timing("cpu", True, tmp_path)["not run"]
+
+
 def run_folder(path: Path, *, finished: bool, checkpoint_bytes: int = 0, seed: int = 0) -> bytes:
     """A run folder as the tables leave it: summary.json, a claim, and a checkpoint of random
     (incompressible) bytes when ``checkpoint_bytes``; returns those bytes."""

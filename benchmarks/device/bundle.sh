@@ -6,8 +6,9 @@
 # dataset, so the agreement step's Ray-actor case reads "not run" and every step runs on the batched
 # engine in the script's own process.
 #   usage (from the project root):  bash benchmarks/device/bundle.sh fmnist|mnist
-# fmnist for DAC's tables and Ali & Arafa's runs, mnist for FL+HC's grid: the dataset of the queue's
-# next step (run.py's docstring); a step whose dataset is not carried is reported "not started".
+# mnist for FL+HC's grid, fmnist for Ali & Arafa's runs, DAC's tables and the timing step: the dataset
+# of the queue's next step with work left (run.py's docstring); a step whose dataset is not carried is
+# reported "not started".
 set -euo pipefail
 case "${1:-}" in
   fmnist) folder=FashionMNIST; flag=--with-fmnist ;;

@@ -5,8 +5,9 @@ card, how fast is a full-scale DAC round, then as much of the paper tables' queu
     python benchmarks/device/run.py --device cpu --tiny --out /tmp/dry  # the CPU dry run (slow test tier)
 
 On a lent machine (no flwr there; ../shared/gpu/README.md): here ``bash benchmarks/device/bundle.sh
-fmnist`` (``mnist`` once the queue's next step is FL+HC's grid) writes ``.gpu/`` within the 64 MiB
-the working tree and carried paths may take: the wheels, one dataset, no Ray; the device command,
+mnist`` (FL+HC's grid, the queue's first step with work left; ``fmnist`` for the steps after it and
+the timing step: see 3) writes ``.gpu/`` within the 64 MiB the working tree and carried paths may
+take: the wheels, one dataset, no Ray; the device command,
 with ``.gpu`` carried and a timeout above the budget plus about 40 s of setup (600 s for 500), is
 ``bash .gpu/setup.sh && . TMP/gpu-env.sh && python3 benchmarks/device/run.py --out "$OUT" --budget
 500``. Back here: ``tar xzf results.tar.gz`` in the checkout, then ``python benchmarks/dac/table.py
@@ -21,15 +22,18 @@ commit the copies with the pages. If the budget stopped a run, its folder came b
 2. **Timing** (``timing.json``): a full-scale DAC round (``conf/dac_fmnist_rot4.yaml``, 2 rounds:
    start-up + pretraining, then one exchange) on ``inprocess`` and ``batched``, side by side on the
    same card; the ratio is the claim.
-3. **The tables** (``QUEUE``, in this order, each on ``batched``, one step after the other until the
+3. **The tables** (``queue``, in this order, each on ``batched``, one step after the other until the
    budget ends): DAC Table 2's runs at 500 images not yet committed (seeds 1-2); DAC's low-data
-   setting (``rot_unequal_low``) not yet committed; DAC's 4 x 25 setting (``rot4``, Table 1's
-   Fashion-MNIST, the CPU table's last part) not yet committed; Briggs et al.'s Table IV grid
-   (``benchmarks/flhc/sweep.py`` on ``conf/flhc_mnist_pathological.yaml``: l1, l2, cosine with
-   complete linkage at K = 25, 75, 10, 50 and every client alone, then FedAvg); Ali & Arafa at the
-   conf's full length on Fashion-MNIST (``benchmarks/oneshot/run.py --training-rounds 28``, 6 seeds:
-   what that page calls full scale; the paper gives no rounds or sizes). A table stops at its last
-   checkpoint when the budget ends (SIGTERM).
+   setting (``rot_unequal_low``) not yet committed (both are: neither has a step now); Briggs et
+   al.'s Table IV grid (``benchmarks/flhc/sweep.py`` on ``conf/flhc_mnist_pathological.yaml``: l1,
+   l2, cosine with complete linkage at K = 25, 75, 10, 50 and every client alone, then FedAvg); Ali &
+   Arafa at the conf's full length on Fashion-MNIST (``benchmarks/oneshot/run.py --training-rounds
+   28``, 6 seeds: what that page calls full scale; the paper gives no rounds or sizes); last DAC's
+   4 x 25 setting (``rot4``, Table 1's Fashion-MNIST) not yet committed, which the CPU tables run
+   too (1.3-1.5 h a run there), where the grid and the one-shot runs are GPU work. A step whose
+   dataset the bundle did not carry is reported "not started", so the bundle picks the work:
+   ``mnist`` the grid, ``fmnist`` Ali & Arafa, then ``rot4``. A table stops at its last checkpoint
+   when the budget ends (SIGTERM).
 
 What comes back: ``$OUT`` returns at most 8 files, two folders deep, so the run folders (checkpoints)
 stay in ``--work`` and every finished run's small files are packed, as soon as the run ends, into
@@ -118,7 +122,14 @@ def agreement(device: str, work: Path) -> dict:
     return report
 
 
+def carried(dataset_folder: str) -> bool:
+    """Whether ``$FEDCLUSTER_DATA_DIR`` holds this dataset's folder (a bundle carries one dataset)."""
+    return (Path(os.environ.get("FEDCLUSTER_DATA_DIR", ".")) / dataset_folder).is_dir()
+
+
 def timing(device: str, tiny: bool, work: Path) -> dict:
+    if not carried("FashionMNIST"):
+        return {"not run": "no FashionMNIST under FEDCLUSTER_DATA_DIR (the bundle carried another dataset)"}
     report = {}
     for engine in ("batched", "inprocess"):
         config = configured("dac_fmnist_rot4.yaml", "rounds=2", f"client.device={device}", f"simulation.engine={engine}",
@@ -173,16 +184,18 @@ def not_committed(setting: str) -> list[str]:
 def queue(tiny: bool, work: Path) -> list[Step]:
     """The table work, in the order issue #53 gives it (see the module docstring)."""
     python = sys.executable
-    steps = []
-    for name, setting in (("dac_table2", "rot_unequal"), ("dac_low", "rot_unequal_low"), ("dac_rot4", "rot4")):
+
+    def dac_step(name: str, setting: str) -> list[Step]:
         only = not_committed(setting)
         if not only:
-            continue
+            return []
         command = [python, str(ROOT / "benchmarks" / "dac" / "table.py"), "--engine", "batched", "--workers", "1",
                    "--runs-dir", str(work / "dac_runs"), "--results-dir", str(work / name), "--only", ",".join(only),
                    *(TINY_TABLE if tiny else ())]
-        steps.append(Step(name, command, work / name, "benchmarks/dac/results/full", runs_dir=work / "dac_runs",
-                          runs_home="dac", needs="FashionMNIST"))
+        return [Step(name, command, work / name, "benchmarks/dac/results/full", runs_dir=work / "dac_runs",
+                     runs_home="dac", needs="FashionMNIST")]
+
+    steps = dac_step("dac_table2", "rot_unequal") + dac_step("dac_low", "rot_unequal_low")
     sweep_conf = "default.yaml" if tiny else f"{FLHC_CONF}.yaml"
     committed = ROOT / "benchmarks" / "flhc" / "results" / "full" / Path(sweep_conf).stem
     sweep = [python, str(ROOT / "benchmarks" / "flhc" / "sweep.py"), str(ROOT / "conf" / sweep_conf), "--engine", "batched",
@@ -204,7 +217,7 @@ def queue(tiny: bool, work: Path) -> list[Step]:
                       files=("results.md", "curves.png", "k_sweep.png"),
                       seed_from=ROOT / "benchmarks" / "oneshot" / "results" / "full" if not tiny else None,
                       needs="FashionMNIST"))  # its stopped runs start again (its script keeps no table queue)
-    return steps
+    return steps + dac_step("dac_rot4", "rot4")  # the CPU tables' work too: last here
 
 
 def finished(folder: Path) -> bool:
@@ -338,12 +351,11 @@ def main() -> int:
     (args.out / "timing.json").write_text(json.dumps(timed := timing(args.device, args.tiny, work), indent=1))
     print(json.dumps(timed, indent=1), flush=True)
     steps = queue(args.tiny, work)
-    data_dir = Path(os.environ.get("FEDCLUSTER_DATA_DIR", "."))
     report = {}
     for step in steps:
         if time.time() >= deadline:
             report[step.name] = "not started: budget spent"
-        elif step.needs and not (data_dir / step.needs).is_dir():
+        elif step.needs and not carried(step.needs):
             report[step.name] = f"not started: no {step.needs} under FEDCLUSTER_DATA_DIR (a bundle carries one dataset)"
         else:
             report[step.name] = f"exited {run_step(step, deadline, steps, args.out, since)}"
