@@ -23,14 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.algorithms.dac.math import same_true_cluster_share
+from fedcluster_flwr.algorithms.dac.math import SAME_CLUSTER_DRAWS, same_true_cluster_share
 from fedcluster_flwr.results.files import atomic_write
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
 from tables import default_runs_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "full"
-KEY = "exchanges_same_true_cluster"
 FILE = "exchanges.json"
 SAME_RUN_KEYS = ("completed_rounds", "true_clusters", "wall_seconds", "mean_best_val_accuracy")
 
@@ -49,7 +48,7 @@ def exchanges_entry(run_dir: Path, copy: Path) -> dict | None:
         raise ValueError(f"{run_dir} is not the run committed in {copy}: "
                          f"{', '.join(differing) or 'finished'} differ")
     counts = np.load(counts_file)
-    return {KEY: same_true_cluster_share(counts, np.asarray(kept["true_clusters"])),
+    return {SAME_CLUSTER_DRAWS: same_true_cluster_share(counts, np.asarray(kept["true_clusters"])),
             "neighbour_draws": int(counts.sum()), "from": f"{run_dir.name}/communication.npy"}
 
 
@@ -61,7 +60,7 @@ def main() -> int:
     args = parser.parse_args()
     for copy in sorted(p for p in args.results_dir.iterdir() if (p / "summary.json").is_file()):
         summary = json.loads((copy / "summary.json").read_text())
-        if not summary.get("finished") or KEY in summary or (copy / FILE).is_file():
+        if not summary.get("finished") or SAME_CLUSTER_DRAWS in summary or (copy / FILE).is_file():
             continue
         try:
             entry = exchanges_entry(args.runs_dir / copy.name, copy)
@@ -72,7 +71,7 @@ def main() -> int:
             print(f"{copy.name}: no communication.npy in {args.runs_dir / copy.name} (gone, or no gossip)")
             continue
         atomic_write(copy / FILE, json.dumps(entry, indent=1) + "\n")
-        shares = ", ".join(f"{cluster}: {100 * share:.1f} %" for cluster, share in entry[KEY].items())
+        shares = ", ".join(f"{cluster}: {100 * share:.1f} %" for cluster, share in entry[SAME_CLUSTER_DRAWS].items())
         print(f"{copy.name}: {shares}")
     return 0
 

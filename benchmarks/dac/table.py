@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from fedcluster_flwr.algorithms.dac.math import SAME_CLUSTER_DRAWS
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.results.files import atomic_write
 from fedcluster_flwr.results.run_files import read_rounds
@@ -131,10 +132,10 @@ def exchange_shares(folder: Path, summary: dict) -> dict[str, float] | None:
     ``exchanges_same_true_cluster`` (runs made since it has one), else the ``exchanges.json`` that
     ``benchmarks/dac/exchanges.py`` wrote from the run's ``communication.npy``; None: not recorded
     (local training, or a run folder gone before it was computed)."""
-    if "exchanges_same_true_cluster" in summary:
-        return summary["exchanges_same_true_cluster"]
+    if SAME_CLUSTER_DRAWS in summary:
+        return summary[SAME_CLUSTER_DRAWS]
     if (folder / "exchanges.json").is_file():
-        return json.loads((folder / "exchanges.json").read_text())["exchanges_same_true_cluster"]
+        return json.loads((folder / "exchanges.json").read_text())[SAME_CLUSTER_DRAWS]
     return None
 
 

@@ -71,6 +71,10 @@ def implied_clusters(similarity: np.ndarray, num_clusters: int) -> np.ndarray:
     return cluster_square(distance, "average", num_clusters=num_clusters).labels
 
 
+# The summary key under which a gossip run reports :func:`same_true_cluster_share` of its draws.
+SAME_CLUSTER_DRAWS = "exchanges_same_true_cluster"
+
+
 def same_true_cluster_share(counts: np.ndarray, true_clusters: np.ndarray) -> dict[str, float]:
     """Per true cluster c, the share of its members' exchanges (``counts[i, j]``: how often i took
     j's model, or whether it keeps j) that went to members of c: Σ_{i, j ∈ c} counts / Σ_{i ∈ c, j}

@@ -76,7 +76,7 @@ from ..base.options import SAME_MEANING, SHARE_OF_CLIENTS
 from ..base.turns import TakesTurns
 from ...registry import register
 from .math import centred_tau, implied_clusters, reference_tau, reference_two_hop_update, same_true_cluster_share
-from .math import two_hop_similarities
+from .math import SAME_CLUSTER_DRAWS, two_hop_similarities
 
 
 MIN_LOSS = 1e-6  # a neighbour model with (numerically) zero loss scores s = 1e6, not infinity
@@ -314,7 +314,7 @@ class Gossip(TakesTurns, ClusteredStrategy):
     def summary_entries(self) -> dict[str, Any]:
         """Whom the clients drew (``exchanges_same_true_cluster``; see the module docstring)."""
         return super().summary_entries() | {
-            "exchanges_same_true_cluster": same_true_cluster_share(self.communication, self.setup.true_clusters),
+            SAME_CLUSTER_DRAWS: same_true_cluster_share(self.communication, self.setup.true_clusters),
         }
 
     def state_dict(self) -> dict[str, Any]:
