@@ -1,7 +1,7 @@
 """One command for a GPU machine's few minutes (issues #39, #53): is the batched engine right on this
 card, how fast is a full-scale DAC round, then as much of the paper tables' queued work as the time allows.
 
-    python benchmarks/device/run.py --out "$OUT" --budget 540          # on the GPU machine
+    python benchmarks/device/run.py --out "$OUT" --budget 500          # on the GPU machine
     python benchmarks/device/run.py --device cpu --tiny --out /tmp/dry  # the CPU dry run (slow test tier)
 
 On a lent machine (no flwr there; ../shared/gpu/README.md): here ``bash benchmarks/device/bundle.sh
@@ -47,8 +47,9 @@ that does not fit is named in ``tables.json``): a lease's last run is resumed, n
 DAC run's folder is about 23 MB). What is already committed is not run
 again: the DAC steps skip runs with a finished copy in ``benchmarks/dac/results/full/``, the sweep and
 the one-shot script start from copies of their committed folders. ``--tiny`` shrinks every step (the
-CPU dry run that keeps this script from rotting). Needs Fashion-MNIST and MNIST under
-``$FEDCLUSTER_DATA_DIR`` for steps 2-3.
+CPU dry run that keeps this script from rotting). Step 2 and each table read their dataset under
+``$FEDCLUSTER_DATA_DIR`` (Fashion-MNIST; the grid MNIST); one the bundle did not carry is reported
+as not run.
 """
 
 from __future__ import annotations
