@@ -204,9 +204,12 @@ PAIRED_NOTE = (
 def paired_rows(results_dir: Path, setting: str, methods: Sequence[str], clusters: int) -> list[str]:
     """The paired differences' table (``PAIRED_NOTE``), or nothing before DAC and another method share a seed."""
     def cluster_means(method: str) -> dict[int, dict[str, float]]:
-        return {seed: {key: float(np.mean([reading[key][0][str(k)] for k in range(clusters)]))
-                       for reading in [readings(folder, summary)] for key in ("best", "last")}
-                for seed, folder, summary in finished_runs(results_dir, setting, method)}
+        """seed -> reading ("best", "last") -> the mean of the clusters' accuracies."""
+        means = {}
+        for seed, folder, summary in finished_runs(results_dir, setting, method):
+            per_run = readings(folder, summary)
+            means[seed] = {key: float(np.mean([per_run[key][0][str(k)] for k in range(clusters)])) for key in ("best", "last")}
+        return means
 
     reference = cluster_means(PAIRED)
     rows = []
