@@ -23,9 +23,11 @@ rm -f .gpu/ray-*.tar.xz
 for other in .gpu/data/*; do [ "$(basename "$other")" = "$folder" ] || rm -rf "$other"; done
 for file in .gpu/data/"$folder"/raw/*.gz; do gzip -dc "$file" | xz -9e -T2 > "${file%.gz}.xz"; rm -f "$file"; done
 install -m 0755 benchmarks/device/setup.sh .gpu/setup.sh
-sum() { xargs -0 -r stat -c %s | awk '{s += $1} END {print s + 0}'; }
-tree=$(git ls-files -z --cached --others --exclude-standard | sum)
-bundle=$(find .gpu -type f -print0 | sum)
+# total bytes of the NUL-separated paths on stdin; a tracked file deleted in the work tree counts 0
+# (stat fails on it: not a reason to stop under pipefail)
+total_bytes() { { xargs -0 -r stat -c %s 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}'; }
+tree=$(git ls-files -z --cached --others --exclude-standard | total_bytes)
+bundle=$(find .gpu -type f -print0 | total_bytes)
 limit=$((64 * 1024 * 1024))
 echo ".gpu/: $((bundle / 1024 / 1024)) MiB ($folder), working tree $((tree / 1024 / 1024)) MiB; together $(((tree + bundle) / 1024 / 1024)) of $((limit / 1024 / 1024)) MiB"
 if [ $((tree + bundle)) -gt "$limit" ]; then
