@@ -6,7 +6,7 @@
 # dataset, so the agreement step's Ray-actor case reads "not run" and every step runs on the batched
 # engine in the script's own process.
 #   usage (from the project root):  bash benchmarks/device/bundle.sh fmnist|mnist
-# mnist for FL+HC's grid, fmnist for Ali & Arafa's runs, DAC's tables and the timing step: the dataset
+# mnist for FL+HC's grid, fmnist for DAC's tables and the timing step: the dataset
 # of the queue's next step with work left (run.py's docstring); a step whose dataset is not carried is
 # reported "not started".
 set -euo pipefail

@@ -5,7 +5,7 @@ card, how fast is a full-scale DAC round, then as much of the paper tables' queu
     python benchmarks/device/run.py --device cpu --tiny --out /tmp/dry  # the CPU dry run (slow test tier)
 
 On a lent machine (no flwr there; ../shared/gpu/README.md): here ``bash benchmarks/device/bundle.sh
-mnist`` (FL+HC's grid, the queue's first step with work left; ``fmnist`` for the steps after it and
+mnist`` (FL+HC's grid, the queue's first step with work left; ``fmnist`` for the step after it and
 the timing step: see 3) writes ``.gpu/`` within the 64 MiB the working tree and carried paths may
 take: the wheels, one dataset, no Ray; the device command,
 with ``.gpu`` carried and a timeout above the budget plus about 40 s of setup (600 s for 500), is
@@ -26,14 +26,14 @@ commit the copies with the pages. If the budget stopped a run, its folder came b
    budget ends): DAC Table 2's runs at 500 images not yet committed (seeds 1-2); DAC's low-data
    setting (``rot_unequal_low``) not yet committed (both are: neither has a step now); Briggs et
    al.'s Table IV grid (``benchmarks/flhc/sweep.py`` on ``conf/flhc_mnist_pathological.yaml``: l1,
-   l2, cosine with complete linkage at K = 25, 75, 10, 50 and every client alone, then FedAvg); Ali &
-   Arafa at the conf's full length on Fashion-MNIST (``benchmarks/oneshot/run.py --training-rounds
-   28``, 6 seeds: what that page calls full scale; the paper gives no rounds or sizes); last DAC's
-   4 x 25 setting (``rot4``, Table 1's Fashion-MNIST) not yet committed, which the CPU tables run
-   too (1.3-1.5 h a run there), where the grid and the one-shot runs are GPU work. A step whose
-   dataset the bundle did not carry is reported "not started", so the bundle picks the work:
-   ``mnist`` the grid, ``fmnist`` Ali & Arafa, then ``rot4``. A table stops at its last checkpoint
-   when the budget ends (SIGTERM).
+   l2, cosine with complete linkage at K = 25, 75, 10, 50 and every client alone, then FedAvg), GPU
+   work (about 75 hours of one CPU core); last DAC's 4 x 25 setting (``rot4``, Table 1's
+   Fashion-MNIST) not yet committed, which the CPU tables run too (1.3-1.5 h a run there). Ali &
+   Arafa at the conf's full length (28 training rounds, 6 seeds: what ``benchmarks/oneshot``'s page
+   calls full scale, the paper giving no rounds or sizes) is not queued: it ran on the CPU in 58
+   minutes (issue #41, ``benchmarks/oneshot/results/fmnist_3tasks_full/``). A step whose dataset the
+   bundle did not carry is reported "not started", so the bundle picks the work: ``mnist`` the grid,
+   ``fmnist`` ``rot4``. A table stops at its last checkpoint when the budget ends (SIGTERM).
 
 What comes back: ``$OUT`` returns at most 8 files, two folders deep, so the run folders (checkpoints)
 stay in ``--work`` and every finished run's small files are packed, as soon as the run ends, into
@@ -45,8 +45,8 @@ and the sweep's; checkpoints included, with the sweep's shared rounds) come back
 ``$OUT/resume.tar.gz.00``, ``.01``, ... (15 MiB parts, within the room the other files leave; a run
 that does not fit is named in ``tables.json``): a lease's last run is resumed, not lost (a full-scale
 DAC run's folder is about 23 MB). What is already committed is not run
-again: the DAC steps skip runs with a finished copy in ``benchmarks/dac/results/full/``, the sweep and
-the one-shot script start from copies of their committed folders. ``--tiny`` shrinks every step (the
+again: the DAC steps skip runs with a finished copy in ``benchmarks/dac/results/full/``, the sweep
+starts from a copy of its committed folder. ``--tiny`` shrinks every step (the
 CPU dry run that keeps this script from rotting). Step 2 and each table read their dataset under
 ``$FEDCLUSTER_DATA_DIR`` (Fashion-MNIST; the grid MNIST); one the bundle did not carry is reported
 as not run.
@@ -147,15 +147,14 @@ def timing(device: str, tiny: bool, work: Path) -> dict:
 @dataclass
 class Step:
     """One queued table: its command, the folder it writes finished runs' small files to (``results``),
-    and where they go in the repository (``dest``). ``runs``: the subfolder of ``results`` that holds
-    run folders (the one-shot script's ``runs/``); ``shared``: folders packed finished or not (the
-    sweep's base and probe); ``files``: top-level files packed (the sweep's thresholds)."""
+    and where they go in the repository (``dest``), its run folders directly under ``results``.
+    ``shared``: folders packed finished or not (the sweep's base and probe); ``files``: top-level
+    files packed (the sweep's thresholds)."""
 
     name: str
     command: list[str]
     results: Path
     dest: str
-    runs: str = ""
     shared: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
     seed_from: Path | None = None  # a committed folder copied into ``results`` first: its runs are not redone
@@ -183,7 +182,8 @@ def not_committed(setting: str) -> list[str]:
 
 
 def queue(tiny: bool, work: Path) -> list[Step]:
-    """The table work, in the order issue #53 gives it (see the module docstring)."""
+    """The table work, in the order issue #53 gives it, less Ali & Arafa's runs, done on the CPU (see the
+    module docstring)."""
     python = sys.executable
 
     def dac_step(name: str, setting: str) -> list[Step]:
@@ -212,12 +212,6 @@ def queue(tiny: bool, work: Path) -> list[Step]:
                       seed_from=committed if committed.is_dir() and not tiny else None,
                       runs_dir=work / "flhc_runs", runs_home=f"flhc_sweep_{Path(sweep_conf).stem}",
                       needs="" if tiny else "MNIST"))
-    oneshot = [python, str(ROOT / "benchmarks" / "oneshot" / "run.py"), "--engine", "batched",
-               "--out", str(work / "oneshot"), *(("--seeds", "0", "--training-rounds", "1") if tiny else ("--training-rounds", "28"))]
-    steps.append(Step("oneshot_full", oneshot, work / "oneshot", "benchmarks/oneshot/results/full", runs="runs",
-                      files=("results.md", "curves.png", "k_sweep.png"),
-                      seed_from=ROOT / "benchmarks" / "oneshot" / "results" / "full" if not tiny else None,
-                      needs="FashionMNIST"))  # its stopped runs start again (its script keeps no table queue)
     return steps + dac_step("dac_rot4", "rot4")  # the CPU tables' work too: last here
 
 
@@ -239,7 +233,7 @@ def pack(steps: list[Step], out: Path, since: float) -> list[str]:
             path = step.results / name
             if path.is_file() and path.stat().st_mtime >= since:
                 members[f"{step.dest}/{name}"] = path
-        for folder in sorted(p for p in (step.results / step.runs).glob("*") if p.is_dir()):
+        for folder in sorted(p for p in step.results.glob("*") if p.is_dir()):
             if not (finished(folder) or folder.name in step.shared):
                 continue
             for name in SMALL_FILES:
@@ -258,9 +252,6 @@ def run_step(step: Step, deadline: float, steps: list[Step], out: Path, since: f
     """Run one queued table until it ends or the deadline, packing every few seconds."""
     if step.seed_from is not None and step.seed_from.is_dir():
         shutil.copytree(step.seed_from, step.results, dirs_exist_ok=True)  # copy2: their times stay old
-        if step.runs:  # the one-shot script reads its finished runs under runs/
-            for folder in [p for p in step.results.iterdir() if p.is_dir() and p.name != step.runs]:
-                shutil.move(str(folder), str(step.results / step.runs / folder.name))
     print(f"{step.name}: {' '.join(step.command[1:])}", flush=True)
     process = subprocess.Popen(step.command, cwd=ROOT)
     while process.poll() is None and time.time() < deadline:
