@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from fedcluster_flwr.algorithms.dac.math import same_true_cluster_share
 from helpers import load_benchmark
 
 
@@ -190,3 +191,20 @@ def test_the_reduced_and_reference_pages_print_the_sample_std():
     assert mean_std([0.70, 0.80], ddof=1) == "0.750 ± 0.071"
     assert mean_std([0.70, 0.80]) == "0.750 ± 0.050"  # the default: population
     assert mean_std([0.70, None], ddof=1) == "0.700 (1/2)"
+
+
+def test_the_reduced_page_reads_own_cluster_draws_from_the_summary_or_the_communication_matrix(tmp_path):
+    """benchmarks/dac/run.py: a committed run copy has no communication.npy; its summary's
+    ``exchanges_same_true_cluster`` gives the same share; a cluster that drew nobody (local) has none."""
+    run = load_benchmark("dac/run.py")
+    true = np.array([0, 0, 1, 1, 1])
+    counts = np.array([[0, 2, 1, 0, 0], [1, 0, 0, 1, 1], [0, 1, 0, 2, 1], [3, 0, 0, 0, 0], [0, 0, 1, 1, 0]])
+    np.save(tmp_path / "communication.npy", counts)
+    from_matrix = run.own_cluster_share(tmp_path, {"true_clusters": true.tolist()}, 1)
+    assert from_matrix == pytest.approx(5 / 9)  # rows 2-4 drew 9 times, 5 of them among 2-4
+    # what the DAC strategy's summary holds
+    summary = {"true_clusters": true.tolist(), "exchanges_same_true_cluster": same_true_cluster_share(counts, true)}
+    (tmp_path / "communication.npy").unlink()
+    assert run.own_cluster_share(tmp_path, summary, 1) == from_matrix
+    assert run.own_cluster_share(tmp_path, {"true_clusters": [0], "exchanges_same_true_cluster": {}}, 0) is None
+    assert run.own_cluster_share(tmp_path, {"true_clusters": [0]}, 0) is None

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedcluster_flwr.algorithms.dac.math import SAME_CLUSTER_DRAWS
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.results.run_files import read_rounds
 
@@ -98,6 +99,18 @@ def share_within(communication: np.ndarray, true: np.ndarray, cluster: int) -> f
     return float(rows[:, true == cluster].sum() / total) if total else float("nan")
 
 
+def own_cluster_share(run_dir: Path, summary: dict, cluster: int) -> float | None:
+    """:func:`share_within` for a run: from its summary (gossip runs record it per true cluster), else
+    from its ``communication.npy`` (runs made before the summary had it); None where that cluster drew
+    nobody (local training). The summary's is what the committed copies of the runs keep (no ``.npy``
+    among their files)."""
+    if SAME_CLUSTER_DRAWS in summary:
+        return summary[SAME_CLUSTER_DRAWS].get(str(cluster))
+    if (run_dir / "communication.npy").is_file():
+        return share_within(np.load(run_dir / "communication.npy"), np.asarray(summary["true_clusters"]), cluster)
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", choices=sorted(SCALES), default="reduced")
@@ -148,9 +161,8 @@ def main() -> None:
         shares = []
         seconds = []
         for run_dir, summary in zip(runs[method], summaries_m):
-            true = np.asarray(summary["true_clusters"])
-            if (run_dir / "communication.npy").is_file():
-                shares.append(share_within(np.load(run_dir / "communication.npy"), true, different))
+            if (share := own_cluster_share(run_dir, summary, different)) is not None:
+                shares.append(share)
             seconds += [r["seconds"] for r in read_rounds(run_dir)]
         share = mean_std(shares, 2, ddof=1) if shares else "–"
         lines.append(f"| {method} | " + " | ".join(per_cluster)
