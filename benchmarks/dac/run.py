@@ -143,7 +143,8 @@ def main() -> None:
     different = int(np.argmax([abs(((a + 180) % 360) - 180) for a in options.angles]))  # the cluster furthest from 0°
     command = (f"python benchmarks/dac/run.py --scale {args.scale} --conf {args.conf} --methods {','.join(methods)} "
                f"--seeds {args.seeds}" + (f" --rounds {args.rounds}" if args.rounds else "")
-               + "".join(f" --set {item}" for item in args.set))
+               + (f" --report {args.report}" if args.report != "results.md" else "")
+               + "".join(f" --set {item}" for item in args.set) + (f" --out {args.out}" if args.out else ""))
     lines = [
         f"# {conf.stem}, {args.scale} scale, seeds {args.seeds}\n",
         f"`{command}` ({(time.perf_counter() - started) / 60:.0f} min for the runs not reused). Overrides of the conf "
