@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -118,8 +119,24 @@ def test_nothing_stopped_sends_no_part(device_script, tmp_path):
 @pytest.mark.skipif(not os.environ.get("FEDCLUSTER_DATA_DIR"), reason="needs Fashion-MNIST under FEDCLUSTER_DATA_DIR")
 def test_the_device_script_dry_run_on_a_cpu(tmp_path: Path):
     out, work = tmp_path / "out", tmp_path / "work"
+    # the modules whose wheels bundle.sh leaves out are refused here, in the script and every step it starts
+    left_out = re.search(r'^LEFT_OUT="([^"]+)"', (ROOT / "benchmarks" / "device" / "bundle.sh").read_text(), re.M)
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"LEFT_OUT = {set(left_out.group(1).split())!r}\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in LEFT_OUT:\n"
+        "            raise ImportError(f'{name}: its wheel is not in the GPU bundle (benchmarks/device/bundle.sh)')\n"
+        "sys.meta_path.insert(0, Refuse())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))}
+    refused = subprocess.run([sys.executable, "-c", "import sqlalchemy"], env=env, capture_output=True, text=True)
+    assert "not in the GPU bundle" in refused.stderr  # installed here (a flwr dependency), refused in the dry run
     done = subprocess.run([sys.executable, "benchmarks/device/run.py", "--device", "cpu", "--tiny", "--budget", "800",
-                           "--out", str(out), "--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           "--out", str(out), "--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     agreement = json.loads((out / "agreement.json").read_text())
     assert len(agreement) == 4 and all(case["ok"] and case["fit_failures"] == 0 for case in agreement.values())

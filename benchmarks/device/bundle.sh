@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .gpu/ for a lent GPU machine (benchmarks/device/run.py) within the device's limit: 64 MiB for
 # the working tree that travels and the carried paths together. ../shared/gpu/prepare.sh's wheels
-# (flwr and what the GPU image lacks), one dataset recompressed with xz (Fashion-MNIST's gzip files
+# (flwr and what the GPU image lacks, less those of flwr's SuperLink), one dataset recompressed with xz (Fashion-MNIST's gzip files
 # are 30 MB, 26 MB as xz), and this folder's setup.sh; no Ray: its trimmed 25 MB do not fit beside a
 # dataset, so the agreement step's Ray-actor case reads "not run" and every step runs on the batched
 # engine in the script's own process.
@@ -20,6 +20,11 @@ cd "$root"
 [ -f ../shared/gpu/prepare.sh ] || { echo "../shared/gpu/prepare.sh not found beside the checkout" >&2; exit 1; }
 bash ../shared/gpu/prepare.sh $flag > /dev/null
 rm -f .gpu/ray-*.tar.xz
+# Wheels of flwr's SuperLink (its database and REST server: 6 MiB) that no step of run.py imports; the
+# slow dry run (tests/test_device_script.py) runs with these imports refused, so a step that comes to
+# need one fails there first.
+LEFT_OUT="sqlalchemy alembic greenlet mako fastapi starlette uvicorn h11"
+for name in $LEFT_OUT; do rm -f .gpu/whl/"$name"-*.whl; done
 for other in .gpu/data/*; do [ "$(basename "$other")" = "$folder" ] || rm -rf "$other"; done
 for file in .gpu/data/"$folder"/raw/*.gz; do gzip -dc "$file" | xz -9e -T2 > "${file%.gz}.xz"; rm -f "$file"; done
 install -m 0755 benchmarks/device/setup.sh .gpu/setup.sh
