@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcluster_flwr.algorithms.dac.math import SAME_CLUSTER_DRAWS
+from fedcluster_flwr.algorithms.dac.math import SAME_CLUSTER_DRAWS, same_true_cluster_share
 from fedcluster_flwr.config.load import load_config, parse_override
 from fedcluster_flwr.results.run_files import read_rounds
 
@@ -92,22 +92,16 @@ def run_one(conf: Path, scale: str, method: str, seed: int, out: Path, rounds: i
     return run_dir
 
 
-def share_within(communication: np.ndarray, true: np.ndarray, cluster: int) -> float:
-    """Share of cluster ``cluster``'s neighbour draws that went to its own cluster."""
-    rows = communication[true == cluster]
-    total = rows.sum()
-    return float(rows[:, true == cluster].sum() / total) if total else float("nan")
-
-
 def own_cluster_share(run_dir: Path, summary: dict, cluster: int) -> float | None:
-    """:func:`share_within` for a run: from its summary (gossip runs record it per true cluster), else
-    from its ``communication.npy`` (runs made before the summary had it); None where that cluster drew
-    nobody (local training). The summary's is what the committed copies of the runs keep (no ``.npy``
-    among their files)."""
+    """The share of cluster ``cluster``'s neighbour draws that went to its own cluster, for a run: from
+    its summary (gossip runs record it per true cluster), else from its ``communication.npy`` (runs
+    made before the summary had it) by the strategy's own function; None where that cluster drew
+    nobody (local training). The committed copies of the runs keep the summary, not the ``.npy``."""
     if SAME_CLUSTER_DRAWS in summary:
         return summary[SAME_CLUSTER_DRAWS].get(str(cluster))
     if (run_dir / "communication.npy").is_file():
-        return share_within(np.load(run_dir / "communication.npy"), np.asarray(summary["true_clusters"]), cluster)
+        counts = np.load(run_dir / "communication.npy")
+        return same_true_cluster_share(counts, np.asarray(summary["true_clusters"])).get(str(cluster))
     return None
 
 

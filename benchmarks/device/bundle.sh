@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build .gpu/ for a lent GPU machine (benchmarks/device/run.py) within the device's limit: 64 MiB for
 # the working tree that travels and the carried paths together. ../shared/gpu/prepare.sh's wheels
-# (flwr and what the GPU image lacks, less those of flwr's SuperLink), one dataset recompressed with xz (Fashion-MNIST's gzip files
-# are 30 MB, 26 MB as xz), and this folder's setup.sh; no Ray: its trimmed 25 MB do not fit beside a
-# dataset, so the agreement step's Ray-actor case reads "not run" and every step runs on the batched
-# engine in the script's own process.
+# (flwr and what the GPU image lacks, less those of flwr's SuperLink), one dataset recompressed with
+# xz (Fashion-MNIST's gzip files are 30 MB, 26 MB as xz), and this folder's setup.sh; no Ray: its
+# trimmed 25 MB do not fit beside a dataset, so the agreement step's Ray-actor case reads "not run"
+# and every step runs on the batched engine in the script's own process.
 #   usage (from the project root):  bash benchmarks/device/bundle.sh fmnist|mnist
 # mnist for FL+HC's grid, fmnist for DAC's tables and the timing step: the dataset
 # of the queue's next step with work left (run.py's docstring); a step whose dataset is not carried is
