@@ -145,11 +145,15 @@ class ReferenceProtocol:
 def run(method: str, order: str, seed: int, args: argparse.Namespace) -> Path:
     run_dir = args.out / "runs" / f"{method}_{order}_seed{seed}"
     record = run_dir / "reference_check.jsonl"
-    if record.is_file() and "final_best" in record.read_text().splitlines()[-1]:
+    if finished(record):
         return record  # done before
     config = experiment(method, order, seed, args)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record.unlink(missing_ok=True)
+    if run_dir.exists():  # stopped before its last line: the protocol's best models are gone with it, so anew
+        aside = next(run_dir.with_name(f"{run_dir.name}.incomplete-{k}") for k in range(1, 1000)
+                     if not run_dir.with_name(f"{run_dir.name}.incomplete-{k}").exists())
+        run_dir.rename(aside)
+        print(f"{method} {order} seed {seed}: stopped before, set aside as {aside.name}; starting anew", flush=True)
+    run_dir.mkdir(parents=True)
     protocol = ReferenceProtocol(config, args, record)
     started = time.perf_counter()
     run_in_process(config, run_dir, protocol.make_strategy(config), on_round=protocol.on_round)
@@ -171,7 +175,10 @@ def finished(record: Path) -> bool:
     if not record.is_file():
         return False
     lines = record.read_text().splitlines()
-    return bool(lines) and "true_clusters" in json.loads(lines[-1])
+    try:
+        return bool(lines) and "true_clusters" in json.loads(lines[-1])
+    except json.JSONDecodeError:  # a last line cut short by a stop
+        return False
 
 
 def ours(record: Path) -> dict[str, Any]:
