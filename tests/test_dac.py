@@ -594,11 +594,15 @@ def test_the_reference_check_report_reads_both_sides_records(tmp_path):
     assert lines[0].startswith("Ours with `strategy.same_init=true`. 4 clients (")
     # ± is the sample std (ddof = 1): two runs 20 points apart give 14.1, not the population's 10.0
     assert ("| random_gossip, ours, synchronous | 2 | 70.0 ± 14.1 | 50.0 ± 14.1 | 60.0 ± 14.1 | 80.0 ± 14.1 "
-            "| 50.0 ± 0.0 | 0.60 | 20 |") in lines
-    assert "| random_gossip, reference code | 1 | 60.0 | 50.0 | 40.0 | 30.0 | – | 0.60 | 7 |" in lines
+            "| 50.0 ± 0.0 | 0.60 | 1 | 20 |") in lines
+    assert "| random_gossip, reference code | 1 | 60.0 | 50.0 | 40.0 | 30.0 | – | 0.60 | 1 | 7 |" in lines
     assert "| random_gossip, ours, synchronous | 50 / 40 | 50 / 40 |" in lines  # round by round, 180°: best / current
     assert "| random_gossip, ours, synchronous | 4 | 60.0 | 40.0 | 50.0 | 70.0 | 10.0 |" in lines  # the dead run
     assert "| random_gossip, reference code | 3 | 60.0 | 50.0 | 40.0 | 30.0 | 10.0 |" in lines
+    # every run's current models per round (mean over clients) and whether every client ended at <= 15 %
+    assert "| random_gossip, ours, synchronous | 3 | 70 | 70 | no |" in lines
+    assert "| random_gossip, ours, synchronous | 4 | 10 | 10 | yes |" in lines
+    assert "| random_gossip, reference code | 3 | 50 | 10 | yes |" in lines
 
 
 def test_the_reference_check_keeps_one_variant_per_folder(tmp_path):

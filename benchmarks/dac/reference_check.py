@@ -24,12 +24,13 @@ round, as the reference does not record, the first ``--round-test`` (200) of the
 the current model. Beside it, this project's own metric: the best-validation model's accuracy on the
 client's 50 local test images (``per_true_cluster_best_val_accuracy``).
 
-The reference's records (``--reference``) are JSON lines written by local edits to the reference
-code (listed in ``benchmarks/dac/README.md``; the code itself is not part of this project): one row
+The reference's records (``--reference``) are JSON lines written by ``reference_record.py``, which
+runs a checkout of the reference code (not part of this project) and records: one row
 per round ``{"round": r, "best": [...], "local": [...]}`` (accuracy in % of each client's
 ``best_model`` and ``local_model`` on its cluster's first 200 rotated test images, clients in the
 reference's order, the first 70 % at 0°, the next 20 % at 180°, then 5 % at 10° and 5 % at 350°),
-``r = -1`` after pretraining, and a last line ``{"final_full_test": [four cluster means in %]}``.
+``r = -1`` after pretraining, and a last line ``{"final_full_test": [four cluster means in %],
+"cluster_idx": [...], "n_sampled": [[...]], "seconds": s}``.
 Files are named ``ref_<dac|random>_n<clients>_r<exchanges>_t<train>_s<seed>.jsonl``.
 """
 
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -194,6 +197,8 @@ def ours(record: Path) -> dict[str, Any]:
         "best_180": [100 * cluster_means(r["best"], true)[1] for r in rounds],
         "current_180": [100 * cluster_means(r["current"], true)[1] for r in rounds],
         "current_last": 100 * float(np.mean(rounds[-1]["current"])),
+        "current_rounds": [100 * float(np.mean(r["current"])) for r in rounds],
+        "dead": dead([100 * v for v in rounds[-1]["current"]]),
         "own_draws_180": float(own),
         "seconds": sum(r["seconds"] for r in rounds),
         "seed": int(record.parent.name.rsplit("seed", 1)[1]),
@@ -212,10 +217,20 @@ def reference(record: Path) -> dict[str, Any]:
         "best_180": [cluster_means(r["best"], true)[1] for r in rounds],
         "current_180": [cluster_means(r["local"], true)[1] for r in rounds],
         "current_last": float(np.mean(rounds[-1]["local"])),
+        "current_rounds": [float(np.mean(r["local"])) for r in rounds],
+        "dead": dead(rounds[-1]["local"]),
         "own_draws_180": float(own),
         "seconds": final["seconds"],
         "seed": int(record.stem.rsplit("_s", 1)[1]),
     }
+
+
+DEAD_AT = 15.0  # % on the round test: a model that predicts one class scores the class's share, about 10 %
+
+
+def dead(current_percent: list[float]) -> bool:
+    """A dead run: after the last exchange every client's current model is at most ``DEAD_AT`` %."""
+    return bool(np.max(current_percent) <= DEAD_AT)
 
 
 def mean_std(values: list[float]) -> str:
@@ -246,8 +261,8 @@ def report(args: argparse.Namespace, seeds: list[int]) -> str:
         "(ddof = 1) over runs; "
         "\"own metric\": ours on the clients' 50 local test images; own draws: the 180° clients' share of draws "
         "that went to the 180° cluster.\n",
-        "| run | runs | " + " | ".join(CLUSTERS) + " | 180°, own metric | own draws (180°) | s / run |",
-        "|---|---|" + "---|" * (len(CLUSTERS) + 3),
+        "| run | runs | " + " | ".join(CLUSTERS) + " | 180°, own metric | own draws (180°) | dead runs | s / run |",
+        "|---|---|" + "---|" * (len(CLUSTERS) + 4),
     ]
     for name, results in rows.items():
         if not results:
@@ -255,7 +270,8 @@ def report(args: argparse.Namespace, seeds: list[int]) -> str:
         cells = [mean_std([r["final"][c] for r in results]) for c in range(len(CLUSTERS))]
         own_metric = mean_std([r["own_metric"][1] for r in results]) if "own_metric" in results[0] else "–"
         lines.append(f"| {name} | {len(results)} | " + " | ".join(cells) + f" | {own_metric} | "
-                     f"{np.mean([r['own_draws_180'] for r in results]):.2f} | {np.mean([r['seconds'] for r in results]):.0f} |")
+                     f"{np.mean([r['own_draws_180'] for r in results]):.2f} | {sum(r['dead'] for r in results)} | "
+                     f"{np.mean([r['seconds'] for r in results]):.0f} |")
     lines += ["", "The 180° cluster round by round (round 0: after pretraining), mean over runs: best-validation model / "
               "current model, on the first 200 rotated test images.\n",
               "| run | " + " | ".join(str(r) for r in range(args.exchanges + 1)) + " |",
@@ -275,7 +291,27 @@ def report(args: argparse.Namespace, seeds: list[int]) -> str:
         for r in sorted(results, key=lambda r: r["seed"]):
             lines.append(f"| {name} | {r['seed']} | " + " | ".join(f"{v:.1f}" for v in r["final"])
                          + f" | {r['current_last']:.1f} |")
+    lines += ["", "Every run's current models round by round (round 0: after pretraining): accuracy (%) on the first "
+              f"200 rotated test images, mean over all clients; dead: every client's at most {DEAD_AT:.0f} % after the "
+              "last exchange.\n",
+              "| run | seed | " + " | ".join(str(r) for r in range(args.exchanges + 1)) + " | dead |",
+              "|---|---|" + "---|" * (args.exchanges + 2)]
+    for name, results in rows.items():
+        for r in sorted(results, key=lambda r: r["seed"]):
+            lines.append(f"| {name} | {r['seed']} | " + " | ".join(f"{v:.0f}" for v in r["current_rounds"])
+                         + f" | {'yes' if r['dead'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def made_by() -> str:
+    """The page's first line: the command that wrote it, paths inside the project relative to it."""
+    words = []
+    for word in sys.argv[1:]:
+        path = Path(word)
+        if path.is_absolute() and path.resolve().is_relative_to(ROOT):
+            word = str(path.resolve().relative_to(ROOT))
+        words.append(shlex.quote(word))
+    return f"Written by `python benchmarks/dac/reference_check.py {' '.join(words)}`.\n\n"
 
 
 def main() -> None:
@@ -307,7 +343,7 @@ def main() -> None:
             for method in args.methods:
                 for order in args.orders:
                     run(method, order, seed, args)
-    text = report(args, seeds)
+    text = made_by() + report(args, seeds)
     (args.out / "results.md").write_text(text)
     print(text)
 
