@@ -371,6 +371,9 @@ def main_loop(runs: Sequence[TableRun], args: Any, table: str, default_results: 
     except StaleCopyError as stale:
         print(f"error: {stale}", file=sys.stderr)
         return 2
+    for run in runs:  # a run skipped as in use may have finished in the other process since
+        if states.get(run.name) == IN_USE:
+            states[run.name] = listed_state(run, runs_root, results_dir)
     done = sum(state in ("finished", "kept") for state in states.values())
     elsewhere = sum(state == IN_USE for state in states.values())
     print(f"{done} of {len(runs)} runs finished{f', {elsewhere} running in another process' if elsewhere else ''}; "

@@ -103,3 +103,20 @@ def test_a_copy_made_before_summaries_named_collapsed_clients_is_read_by_the_sam
     assert collapsed_clients(results / run.name) == [0, 3]
     (results / run.name / "summary.json").write_text(json.dumps(summary | {"clients_no_better_than_majority": [1]}))
     assert collapsed_clients(results / run.name) == [1]  # a summary that names them is read as it is
+
+
+def test_the_closing_line_counts_a_run_the_other_command_finished_meanwhile(tmp_path, monkeypatch, capsys):
+    """Two table commands on one queue: a run skipped as in use that the other command finished
+    while this one ran its own counts as finished in the closing line, not as still running."""
+    import argparse
+
+    import tables
+
+    run = table_run()
+    results = tmp_path / "results"
+    commit_copy(results, run)  # what the other command left when it finished the run
+    monkeypatch.setattr(tables, "advance", lambda runs, **kwargs: {r.name: tables.IN_USE for r in runs})
+    args = argparse.Namespace(runs_dir=tmp_path / "runs", results_dir=results, render=False, list=False,
+                              engine="batched", workers=1, only=None, max_runs=None)
+    assert tables.main_loop([run], args, "t", results, render=lambda _: None) == 0
+    assert capsys.readouterr().out.startswith("1 of 1 runs finished; runs in ")
