@@ -208,3 +208,36 @@ def test_the_reduced_page_reads_own_cluster_draws_from_the_summary_or_the_commun
     assert run.own_cluster_share(tmp_path, summary, 1) == from_matrix
     assert run.own_cluster_share(tmp_path, {"true_clusters": [0], "exchanges_same_true_cluster": {}}, 0) is None
     assert run.own_cluster_share(tmp_path, {"true_clusters": [0]}, 0) is None
+
+
+REFERENCE_PAGES = {  # page folder: the report's arguments, as its first line names them
+    "": dict(exchanges=12, seeds=[0, 1, 2], methods=["dac", "random_gossip"], orders=["synchronous", "sequential"], set=[]),
+    "dead_runs": dict(exchanges=5, seeds=[3, 4, 5, 6, 7, 8, 9, 10], methods=["random_gossip"],
+                      orders=["synchronous", "sequential"], set=[]),
+    "same_init": dict(exchanges=5, seeds=[3, 4, 5, 6, 7, 8, 9, 10], methods=["random_gossip"], orders=["synchronous"],
+                      set=["strategy.same_init=true"]),
+}
+
+
+@pytest.mark.parametrize("page", sorted(REFERENCE_PAGES))
+def test_the_reference_check_pages_are_their_committed_records(page):
+    """Each page under benchmarks/dac/results/reference_check/ is what reference_check.py's report
+    makes of the records committed beside it (ours under runs/, the reference code's under
+    reference_code/), every run present and finished: the page cannot drift from its evidence."""
+    import argparse
+
+    check = load_benchmark("dac/reference_check.py")
+    base = ROOT / "benchmarks" / "dac" / "results" / "reference_check"
+    folder = base / page if page else base
+    settings = dict(REFERENCE_PAGES[page])
+    seeds = settings.pop("seeds")
+    args = argparse.Namespace(out=folder, reference=base / "reference_code" if page != "same_init" else None,
+                              clients=40, train=100, final_test=2000, **settings)
+    committed = (folder / "results.md").read_text()
+    assert committed.startswith("Written by `python benchmarks/dac/reference_check.py --out ")
+    assert committed.split("\n\n", 1)[1] == check.report(args, seeds)
+    for method in settings["methods"]:
+        for order in settings["orders"]:
+            for seed in seeds:
+                assert check.finished(folder / "runs" / f"{method}_{order}_seed{seed}" / "reference_check.jsonl")
+    assert json.loads((folder / "variant.json").read_text())["set"] == settings["set"]
