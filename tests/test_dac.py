@@ -621,3 +621,57 @@ def test_the_reference_check_keeps_one_variant_per_folder(tmp_path):
     (tmp_path / "older" / "variant.json").unlink()
     with pytest.raises(SystemExit, match="unrecorded settings"):
         check.check_variant(argparse.Namespace(out=tmp_path / "older", set=["strategy.same_init=true"]))
+
+
+def test_the_reference_check_sets_a_stopped_run_aside_and_starts_it_anew(tmp_path, monkeypatch, capsys):
+    """A run of reference_check.py stopped before its record's last line cannot be continued (the
+    protocol's best models lived in the stopped process): it is set aside, never deleted, and run
+    again; a finished run is kept and not run again."""
+    import argparse
+
+    check = load_benchmark("dac/reference_check.py")
+    started: list = []
+
+    class Protocol:  # stands in for the engine and the test sets: only the folder handling is checked here
+        def __init__(self, config, args, record):
+            self.record = record
+
+        def make_strategy(self, config):
+            return None
+
+        def on_round(self, row):
+            pass
+
+        def finish(self):
+            self.record.write_text('{"round": 1}\n{"true_clusters": [0]}\n')
+
+    monkeypatch.setattr(check, "ReferenceProtocol", Protocol)
+    monkeypatch.setattr(check, "run_in_process", lambda config, run_dir, *a, **k: started.append(run_dir))
+    args = argparse.Namespace(out=tmp_path, exchanges=1, clients=40, train=100, set=[])
+    stopped = tmp_path / "runs" / "dac_synchronous_seed0"
+    stopped.mkdir(parents=True)
+    (stopped / "reference_check.jsonl").write_text('{"round": 1}\n{"round": 2, "cut sh')  # stopped mid-line
+    record = check.run("dac", "synchronous", 0, args)
+    assert started == [stopped] and check.finished(record)
+    aside = tmp_path / "runs" / "dac_synchronous_seed0.incomplete-1"
+    assert (aside / "reference_check.jsonl").read_text().endswith("cut sh")
+    assert "set aside as dac_synchronous_seed0.incomplete-1" in capsys.readouterr().out
+    check.run("dac", "synchronous", 0, args)  # finished: kept
+    assert started == [stopped] and not (tmp_path / "runs" / "dac_synchronous_seed0.incomplete-2").exists()
+
+
+def test_the_reference_check_counts_a_run_dead_by_every_clients_model():
+    """Dead: every client's current model at most twice chance (20 %) after the last exchange. The
+    dead runs of the reference check read 6.5-15.5 % per client (one class, or nearly); a run with one
+    client that learned is live."""
+    check = load_benchmark("dac/reference_check.py")
+    assert check.dead([6.5, 9.5, 13.0, 15.5])
+    assert not check.dead([6.5, 9.5, 13.0, 45.0])
+
+
+def test_the_reference_check_page_names_its_command_with_project_paths_relative(monkeypatch):
+    check = load_benchmark("dac/reference_check.py")
+    out = check.ROOT / "benchmarks" / "dac" / "results" / "reference_check"
+    monkeypatch.setattr("sys.argv", ["reference_check.py", "--out", str(out), "--seeds", "0,1", "--set", "a=b c"])
+    assert check.made_by() == ("Written by `python benchmarks/dac/reference_check.py --out "
+                               "benchmarks/dac/results/reference_check --seeds 0,1 --set 'a=b c'`.\n\n")

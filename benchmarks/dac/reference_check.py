@@ -54,6 +54,9 @@ from fedcluster_flwr.registry import strategy_class
 from fedcluster_flwr.declarations.schema import ConfigError
 from fedcluster_flwr.training import evaluate, set_weights
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/tables.py
+from tables import set_aside  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "dac_fmnist_rot_unequal.yaml"
 OFFICIAL_TEST_START = 60_000  # the pool holds Fashion-MNIST's 60,000 training images, then its 10,000 test images
@@ -152,9 +155,7 @@ def run(method: str, order: str, seed: int, args: argparse.Namespace) -> Path:
         return record  # done before
     config = experiment(method, order, seed, args)
     if run_dir.exists():  # stopped before its last line: the protocol's best models are gone with it, so anew
-        aside = next(run_dir.with_name(f"{run_dir.name}.incomplete-{k}") for k in range(1, 1000)
-                     if not run_dir.with_name(f"{run_dir.name}.incomplete-{k}").exists())
-        run_dir.rename(aside)
+        aside = set_aside(run_dir)
         print(f"{method} {order} seed {seed}: stopped before, set aside as {aside.name}; starting anew", flush=True)
     run_dir.mkdir(parents=True)
     protocol = ReferenceProtocol(config, args, record)
